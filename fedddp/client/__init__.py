@@ -1,0 +1,108 @@
+"""Local training of one client, from the global flat vector to its report.
+
+Legend: P flat elements, L conv layers.
+
+``train_client`` is the same function whichever rank runs it: it starts from ``global_P``, seeds
+every random choice from (seed, round, client id), and returns the report fields the server rule
+asked for (see fedddp.strategies for their names and shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..data import ClientData
+from ..flat import FlatLayout
+from .optim import build_optimizer, epoch_end, lr_at
+from .rules import LocalRule
+
+
+@dataclass
+class ClientContext:
+    """What a local rule may read while a client trains."""
+
+    client_id: int
+    round_idx: int
+    global_P: torch.Tensor
+    layout: FlatLayout
+    hp: object  # AlgorithmConfig
+    server_view: dict[str, torch.Tensor] = field(default_factory=dict)  # broadcast server state
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # this client's persistent state
+
+
+def _batches_per_epoch(n: int, batch_size: int) -> int:
+    return 1 if batch_size <= 0 else -(-n // batch_size)
+
+
+def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRule, needs: frozenset,
+                 seed: int, out: dict[str, torch.Tensor]) -> None:
+    """Train ``model`` (already holding global_P) on ``data`` and write the report into ``out``:
+    views into the gather buffer (``params_P`` and any of ``last_grad_P``, ``full_grad_P``), plus
+    scalars ``train_loss``, ``num_samples``, ``num_steps``, ``full_loss`` and ``eff_rank_L``."""
+    tc = cfg.train
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout and any other use of the global generator
+    device = ctx.global_P.device
+    n = len(data)
+    batch_size = n if tc.batch_size <= 0 else min(tc.batch_size, n)
+    per_epoch = _batches_per_epoch(n, batch_size)
+    total_steps = tc.local_steps if tc.local_steps > 0 else tc.local_epochs * per_epoch
+    epochs_before = (ctx.round_idx - 1) * tc.local_epochs
+
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(tc, params, lr_at(tc, ctx.round_idx, epochs_before))
+    rule.begin(model, ctx)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    order = None
+    for step in range(total_steps):
+        pos = step % per_epoch
+        if pos == 0:
+            epoch = step // per_epoch
+            if epoch > 0:
+                epoch_end(optimizer, tc, ctx.round_idx, epochs_before + epoch)
+            order = torch.randperm(n, generator=gen).to(device)
+        idx = order[pos * batch_size:(pos + 1) * batch_size]
+        x, y = data.x[idx], data.y[idx]
+        if cfg.data.augment:
+            from ..data.vision import augment_batch
+            x = augment_batch(x, gen)
+        optimizer.zero_grad(set_to_none=False)
+        loss = rule.gradient(model, x, y, ctx)
+        loss_sum += loss.detach()
+        if step == total_steps - 1 and "last_grad_KP" in needs:
+            ctx.layout.flatten_grads(model, out=out["last_grad_P"])
+        optimizer.step()
+    rule.end(model, ctx, total_steps, tc.lr)
+
+    ctx.layout.flatten(model, out=out["params_P"])
+    out["train_loss"] = loss_sum / max(total_steps, 1)
+    out["num_samples"] = torch.tensor(float(n))
+    out["num_steps"] = torch.tensor(float(total_steps))
+    if "full_grad_KP" in needs:
+        out["full_loss"] = full_batch_gradient(model, data, ctx.layout, out["full_grad_P"])
+    if "eff_rank_KL" in needs:
+        from ..metrics.effective_rank import effective_ranks_L
+        out["eff_rank_L"] = effective_ranks_L(model, ctx.layout, ctx.hp.feder_unfold)
+
+
+def full_batch_gradient(model, data: ClientData, layout: FlatLayout, out_P: torch.Tensor,
+                        chunk: int = 1024) -> torch.Tensor:
+    """D_k and L_k of the corrective gradient weights: the gradient of the client's mean loss over
+    all its samples at its trained model, in eval mode (BatchNorm uses running statistics, so the
+    gradient is that of a fixed function). Chunked so memory does not grow with n."""
+    model.eval()
+    model.zero_grad(set_to_none=False)
+    n = len(data)
+    total = torch.zeros((), dtype=torch.float64)
+    for start in range(0, n, chunk):
+        x, y = data.x[start:start + chunk], data.y[start:start + chunk]
+        loss = F.cross_entropy(model(x), y, reduction="sum") / n
+        loss.backward()
+        total += loss.detach().double().cpu()
+    layout.flatten_grads(model, out=out_P)
+    model.train()
+    return total.float()

@@ -1,0 +1,299 @@
+"""The experiment configuration: a typed dataclass tree mapped from TOML, one doc per field.
+
+``load(path, overrides)`` reads a TOML file, applies dotted ``section.key=value`` overrides and
+checks everything at once: unknown keys, wrong types, values outside their choices and
+impossible combinations are collected with their dotted paths and raised as one ConfigError.
+``dumps(cfg)`` writes the resolved config back as TOML (``run.out_dir/config.toml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+
+def opt(default: Any, doc: str, choices: tuple | None = None):
+    """A config field: its default, the one-line doc shown in ``--help`` and the docs, and
+    (for strings) the valid choices."""
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
+@dataclass
+class RunConfig:
+    rounds: int = opt(20, "Number of communication rounds (rounds are counted from 1).")
+    seed: int = opt(0, "Seed for data generation, partitioning, client sampling and local training.")
+    out_dir: str = opt("runs/default", "Output folder: config.toml, metrics.jsonl, final.pt, checkpoints/.")
+    clients_per_round: int = opt(0, "Clients sampled per round (K). 0: use participation instead.")
+    participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.")
+    eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).")
+    ckpt_every: int = opt(0, "Write a checkpoint every this many rounds (0: only the final model).")
+    resume: bool = opt(False, "Continue from the newest complete checkpoint in out_dir/checkpoints.")
+    stop_after: int = opt(0, "Stop (cleanly, after checkpointing) once this round is done; 0: run all rounds.")
+    device: str = opt("cpu", "cpu or cuda. cuda: NCCL backend, rank r binds cuda:LOCAL_RANK; cpu: gloo.",
+                      ("cpu", "cuda"))
+    num_threads: int = opt(1, "torch intra-op threads per rank. Pinned so results are bitwise the same "
+                              "for any number of ranks; raise it only if you do not need that.")
+    progress: bool = opt(True, "Show a one-line progress display (round, accuracy, ETA) on rank 0.")
+
+
+@dataclass
+class DataConfig:
+    name: str = opt("synthetic", "Data set.",
+                    ("synthetic", "mnist", "fashionmnist", "cifar10", "cifar100"))
+    root: str = opt("", "Folder holding the data sets (torchvision layout, e.g. ROOT/MNIST/raw). "
+                        "Empty: $FEDDDP_DATA, else ./data.")
+    download: bool = opt(False, "Let torchvision download a missing data set (needs internet).")
+    num_clients: int = opt(30, "Number of clients N.")
+    partition: str = opt("dirichlet", "How samples are split over clients (synthetic data is split "
+                                      "by its generator and ignores this).",
+                         ("iid", "dirichlet", "shards"))
+    dirichlet_alpha: float = opt(0.3, "Dirichlet concentration for the label-skew split; smaller is more skewed.")
+    shards_per_client: int = opt(2, "Classes (shards) per client for partition = shards.")
+    holdout_from_test: float = opt(0.0, "If > 0, carve both train and test sets from the standard test "
+                                        "split, this fraction going to test (for folders with only the "
+                                        "test split, e.g. 0.2 gives 8,000 / 2,000 on MNIST).")
+    synthetic_alpha: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client model mean u_k.")
+    synthetic_beta: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client input mean B_k.")
+    synthetic_iid: bool = opt(False, "Synthetic IID variant: one shared model, v_k = 0.")
+    synthetic_dim: int = opt(60, "Synthetic input dimension d.")
+    synthetic_classes: int = opt(10, "Synthetic number of classes.")
+    augment: bool = opt(False, "CIFAR only: random crop + flip + cutout on training batches.")
+
+
+@dataclass
+class ModelConfig:
+    name: str = opt("logistic", "Model.", ("logistic", "mlp", "cnn", "resnet18"))
+    hidden: int = opt(200, "MLP hidden width.")
+    flat_buffers: bool = opt(True, "Send buffers (BatchNorm statistics) with the parameters and average them.")
+
+
+@dataclass
+class TrainConfig:
+    optimizer: str = opt("sgd", "Client optimizer, new for each client each round.",
+                         ("sgd", "adam", "adamp", "rmsgd"))
+    lr: float = opt(0.01, "Client learning rate.")
+    momentum: float = opt(0.0, "SGD momentum.")
+    weight_decay: float = opt(0.0, "Weight decay.")
+    batch_size: int = opt(10, "Local minibatch size (0: full batch).")
+    local_epochs: int = opt(1, "Local epochs per round (ignored when local_steps > 0).")
+    local_steps: int = opt(0, "Local minibatch steps per round; 0: use local_epochs.")
+    lr_schedule: str = opt("none", "Learning-rate schedule: none, or steplr (lr * gamma every step_size units).",
+                           ("none", "steplr"))
+    lr_step_size: int = opt(25, "StepLR period, in lr_schedule_unit units.")
+    lr_gamma: float = opt(0.5, "StepLR factor.")
+    lr_schedule_unit: str = opt("round", "What StepLR counts: rounds, or local epochs summed over rounds.",
+                                ("round", "epoch"))
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = opt("fedavg", "Federated algorithm (see docs/algorithms.md).")
+    weighting: str = opt("samples", "Client weights p_k for averaging: by sample count or uniform.",
+                         ("samples", "uniform"))
+    server_lr: float = opt(1.0, "Server step size: FedGMA's eta_s, SCAFFOLD's eta_g.")
+    server_momentum: float = opt(0.9, "FedMom server momentum delta_m (0 gives FedAvg).")
+    cong_alpha: float = opt(0.7, "FedCong: fraction of clients that must agree in sign.")
+    gma_threshold: float = opt(0.8, "FedGMA: agreement threshold p of the AND-mask.")
+    gma_grad: str = opt("last", "FedGMA: which client gradient is masked: the one at the last local step, "
+                                "or the update delta w - w_k.", ("last", "delta"))
+    gma_mask: str = opt("hard", "FedGMA mask: hard 0/1 AND-mask, or soft (agreement where below threshold).",
+                        ("hard", "soft"))
+    cgw_alpha: float = opt(0.1, "Corrective gradient weights: alpha in c = min_k alpha L_k / ||D_k|| (0 gives FedAvg).")
+    feder_unfold: str = opt("average", "FedER: conv kernel unfolding for the effective rank: output mode, "
+                                       "input mode, or the mean of both.", ("average", "out", "in"))
+    prox_mu: float = opt(0.1, "FedProx proximal weight mu.")
+    moon_mu: float = opt(1.0, "MOON contrastive weight mu.")
+    moon_tau: float = opt(0.5, "MOON temperature tau.")
+    sam_rho: float = opt(0.1, "FedSAM / FedSMOO perturbation radius rho.")
+    gam_rho: float = opt(0.02, "FedGAM perturbation radius rho.")
+    gam_alpha: float = opt(0.2, "FedGAM weight alpha of the gradient-norm term.")
+    smoo_lambda: float = opt(0.1, "FedSMOO dual penalty lambda.")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+
+    def num_sampled(self) -> int:
+        """K: clients sampled per round."""
+        if self.run.clients_per_round > 0:
+            return self.run.clients_per_round
+        return max(1, round(self.run.participation * self.data.num_clients))
+
+    def data_root(self) -> str:
+        return self.data.root or os.environ.get("FEDDDP_DATA", "") or "data"
+
+
+SECTIONS = typing.get_type_hints(Config)
+
+
+def _section_types(section_cls) -> dict[str, type]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _coerce(value: Any, typ: type, path: str, errors: list[str]) -> Any:
+    """TOML value (or an override's string) -> the field's type, or an error naming the path."""
+    if isinstance(value, str) and typ is not str:
+        text = value.strip()
+        try:
+            if typ is bool:
+                if text.lower() not in ("true", "false"):
+                    raise ValueError
+                return text.lower() == "true"
+            return typ(text)
+        except ValueError:
+            errors.append(f"{path}: expected {typ.__name__}, got {value!r}")
+            return None
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool) or typ is not bool and isinstance(value, bool) \
+            or not isinstance(value, typ):
+        errors.append(f"{path}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+        return None
+    return value
+
+
+def from_dict(raw: dict[str, Any], errors: list[str]) -> Config:
+    cfg = Config()
+    for section, table in raw.items():
+        if section not in SECTIONS:
+            errors.append(f"{section}: unknown section (valid: {', '.join(SECTIONS)})")
+            continue
+        if not isinstance(table, dict):
+            errors.append(f"{section}: expected a table")
+            continue
+        target = getattr(cfg, section)
+        types = _section_types(type(target))
+        for key, value in table.items():
+            path = f"{section}.{key}"
+            if key not in types:
+                errors.append(f"{path}: unknown key (valid: {', '.join(types)})")
+                continue
+            coerced = _coerce(value, types[key], path, errors)
+            if coerced is not None:
+                setattr(target, key, coerced)
+    return cfg
+
+
+def parse_overrides(overrides: list[str], errors: list[str]) -> dict[str, dict[str, str]]:
+    tables: dict[str, dict[str, str]] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            errors.append(f"{item}: an override is section.key=value, e.g. run.rounds=5")
+            continue
+        tables.setdefault(section, {})[name] = value
+    return tables
+
+
+def validate(cfg: Config) -> list[str]:
+    """Every impossible value or combination, each naming its dotted path."""
+    errors = []
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            choices = f.metadata.get("choices")
+            value = getattr(obj, f.name)
+            if choices and value not in choices:
+                errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}")
+    positive = ["run.rounds", "run.eval_every", "run.num_threads", "data.num_clients",
+                "train.lr_step_size", "model.hidden"]
+    non_negative = ["run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
+                    "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
+                    "train.weight_decay", "algorithm.server_lr", "algorithm.prox_mu", "algorithm.sam_rho",
+                    "algorithm.gam_rho", "algorithm.gam_alpha", "algorithm.cgw_alpha",
+                    "algorithm.moon_mu", "algorithm.smoo_lambda"]
+    for path in positive + non_negative:
+        section, key = path.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if path in positive and value <= 0:
+            errors.append(f"{path}: must be > 0, got {value}")
+        elif value < 0:
+            errors.append(f"{path}: must be >= 0, got {value}")
+    unit = {"run.participation": cfg.run.participation, "data.holdout_from_test": cfg.data.holdout_from_test,
+            "algorithm.gma_threshold": cfg.algorithm.gma_threshold, "algorithm.cong_alpha": cfg.algorithm.cong_alpha,
+            "algorithm.server_momentum": cfg.algorithm.server_momentum}
+    for path, value in unit.items():
+        if not 0.0 <= value <= 1.0:
+            errors.append(f"{path}: must be in [0, 1], got {value}")
+    if cfg.run.participation <= 0 and cfg.run.clients_per_round == 0:
+        errors.append("run.participation: must be > 0 (or set run.clients_per_round)")
+    if cfg.num_sampled() > cfg.data.num_clients:
+        errors.append(f"run.clients_per_round: {cfg.num_sampled()} sampled clients but only "
+                      f"data.num_clients = {cfg.data.num_clients}; lower it or raise data.num_clients")
+    if cfg.data.dirichlet_alpha <= 0:
+        errors.append(f"data.dirichlet_alpha: must be > 0, got {cfg.data.dirichlet_alpha}")
+    if cfg.train.local_epochs == 0 and cfg.train.local_steps == 0:
+        errors.append("train.local_epochs: set train.local_epochs or train.local_steps > 0")
+    if cfg.data.name == "synthetic" and cfg.model.name in ("cnn", "resnet18"):
+        errors.append(f"model.name: {cfg.model.name} needs images; data.name = synthetic has flat "
+                      "features (use logistic or mlp)")
+    from .algorithms import check_algorithm  # late import: algorithms imports the strategy registry
+    errors.extend(check_algorithm(cfg))
+    return errors
+
+
+def load(path: str | None, overrides: list[str] = ()) -> Config:
+    errors: list[str] = []
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    for section, table in parse_overrides(list(overrides), errors).items():
+        raw.setdefault(section, {})
+        if isinstance(raw[section], dict):
+            raw[section].update(table)
+    cfg = from_dict(raw, errors)
+    if not errors:
+        errors = validate(cfg)
+    if errors:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
+    return cfg
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def dumps(cfg: Config) -> str:
+    lines = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def describe() -> str:
+    """Every key with its default and doc, for ``python -m fedddp --help``."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            extra = f" [{'|'.join(choices)}]" if choices else ""
+            lines.append(f"  {section}.{f.name} = {_toml_value(f.default)}{extra}\n      {f.metadata['doc']}")
+    return "\n".join(lines)

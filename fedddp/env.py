@@ -1,0 +1,89 @@
+"""Who am I: rank, world size, local rank and rendezvous, from torchrun, Slurm, or nothing.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT. A Slurm task started by
+``srun`` (or by submitit) has SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_JOB_NODELIST;
+the master is the first node of the list. With neither, this is a single process. A half-set
+environment (some of a family's variables but not all) is refused: guessing would silently run
+N independent copies of the experiment.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _ints(environ, names) -> list[int]:
+    try:
+        return [int(environ[n]) for n in names]
+    except ValueError as exc:
+        raise ConfigError(f"environment: {', '.join(names)} must be integers ({exc})") from None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[03-05,07],cpu1' -> 'gpu03'. Uses
+    ``scontrol show hostnames`` when available, else expands the first entry itself."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    match = re.match(r"([^,\[]+)(?:\[([^\],]+))?", nodelist)
+    if not match:
+        raise ConfigError(f"environment: cannot read SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split("-")[0]
+
+
+def resolve(environ=None) -> ProcessEnv:
+    environ = os.environ if environ is None else environ
+    have_torchrun = [n for n in TORCHRUN_VARS if n in environ]
+    if have_torchrun:
+        if len(have_torchrun) != len(TORCHRUN_VARS):
+            missing = [n for n in TORCHRUN_VARS if n not in environ]
+            raise ConfigError(f"environment: {', '.join(have_torchrun)} set but {', '.join(missing)} "
+                              "missing; launch with torchrun, or unset them for a single process")
+        rank, world, local = _ints(environ, TORCHRUN_VARS)
+        addr = environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(environ.get("MASTER_PORT", DEFAULT_PORT))
+        return ProcessEnv(rank, world, local, addr, port, "torchrun")
+    have_slurm = [n for n in SLURM_VARS if n in environ]
+    # SLURM_NTASKS alone appears inside an sbatch script before srun: that is not a task yet.
+    if have_slurm and "SLURM_PROCID" in environ:
+        if len(have_slurm) != len(SLURM_VARS):
+            missing = [n for n in SLURM_VARS if n not in environ]
+            raise ConfigError(f"environment: {', '.join(have_slurm)} set but {', '.join(missing)} "
+                              "missing; start each task with srun")
+        rank, world, local = _ints(environ, SLURM_VARS)
+        addr = environ.get("MASTER_ADDR") or first_host(environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        # A port derived from the job id keeps two jobs sharing a node from colliding.
+        default_port = 20000 + int(environ.get("SLURM_JOB_ID", "9500")) % 20000
+        port = int(environ.get("MASTER_PORT", default_port))
+        return ProcessEnv(rank, world, local, addr, port, "slurm")
+    return ProcessEnv(0, 1, 0, "127.0.0.1", DEFAULT_PORT, "single")

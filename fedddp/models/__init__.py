@@ -1,0 +1,63 @@
+"""Models: logistic regression, MLP, the two-5x5-conv CNN of seed 002, ResNet-18 (CIFAR stem).
+
+Every model is ``head(features(x))``: ``features`` gives the representation (MOON's projection
+head and contrastive term read it), ``head`` is the final linear classifier.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torchvision
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, features: nn.Module, head: nn.Module):
+        super().__init__()
+        self.features = features
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def logistic(input_shape, num_classes) -> Net:
+    return Net(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+def mlp(input_shape, num_classes, hidden: int = 200) -> Net:
+    features = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),
+                             nn.Linear(hidden, hidden), nn.ReLU())
+    return Net(features, nn.Linear(hidden, num_classes))
+
+
+def cnn(input_shape, num_classes) -> Net:
+    """Seed 002's CNN: two 5x5 conv layers, each followed by ReLU and 2x2 max pooling, then two
+    fully connected layers (512 hidden, ReLU)."""
+    channels, height, width = input_shape
+    side_h, side_w = ((height - 4) // 2 - 4) // 2, ((width - 4) // 2 - 4) // 2
+    features = nn.Sequential(
+        nn.Conv2d(channels, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * side_h * side_w, 512), nn.ReLU())
+    return Net(features, nn.Linear(512, num_classes))
+
+
+def resnet18(input_shape, num_classes) -> Net:
+    """torchvision's ResNet-18 with the CIFAR stem: a 3x3 stride-1 first conv and no max pool
+    (the 7x7/stride-2 ImageNet stem throws away most of a 32x32 image)."""
+    net = torchvision.models.resnet18(num_classes=num_classes)
+    net.conv1 = nn.Conv2d(input_shape[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
+    net.maxpool = nn.Identity()
+    head = net.fc
+    net.fc = nn.Identity()
+    return Net(net, head)
+
+
+def build_model(cfg, input_shape, num_classes) -> Net:
+    name = cfg.model.name
+    if name == "mlp":
+        return mlp(input_shape, num_classes, cfg.model.hidden)
+    return {"logistic": logistic, "cnn": cnn, "resnet18": resnet18}[name](input_shape, num_classes)

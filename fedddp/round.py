@@ -1,0 +1,273 @@
+"""The round loop, top to bottom.
+
+Legend: K sampled clients, P flat elements, M report rows per rank, F floats per report row.
+
+Rounds are counted from 1. Every rank runs this same function; rank 0 also aggregates, writes
+metrics, checkpoints' server part and final.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint, config, strategies
+from .algorithms import resolve as resolve_algorithm
+from .client import ClientContext, train_client
+from .client import rules as local_rules
+from .data import ClientData, build as build_data
+from .errors import DataError
+from .flat import FlatLayout
+from .models import build_model
+from .sampling import client_seed, layout_rows, owned_clients, owner, sample_clients
+
+# Report fields: (stack name, per-client key in the report, size in floats given P and L).
+VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"))
+SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"),
+                 ("num_steps_K", "num_steps"), ("full_loss_K", "full_loss"))
+
+
+class ReportLayout:
+    """Packs a client's report into one float32 row, so a round needs a single all-gather:
+    [params P | vector fields P each | scalars | eff_rank L]."""
+
+    def __init__(self, needs: frozenset, numel: int, num_layers: int):
+        self.slices: dict[str, slice] = {}
+        offset = 0
+        for stack, key in (("params_KP", "params_P"),) + VECTOR_FIELDS:
+            if stack in needs:
+                self.slices[stack] = slice(offset, offset + numel)
+                offset += numel
+        for stack, key in SCALAR_FIELDS:
+            if stack in needs or stack in strategies.ALWAYS:
+                self.slices[stack] = slice(offset, offset + 1)
+                offset += 1
+        if "eff_rank_KL" in needs:
+            self.slices["eff_rank_KL"] = slice(offset, offset + num_layers)
+            offset += num_layers
+        self.width = offset
+        self.keys = {stack: key for stack, key in (("params_KP", "params_P"),) + VECTOR_FIELDS + SCALAR_FIELDS}
+        self.keys["eff_rank_KL"] = "eff_rank_L"
+
+    def views(self, row_F: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views into a row for the vector fields (train_client writes them in place)."""
+        return {self.keys[s]: row_F[sl] for s, sl in self.slices.items() if s.endswith("_KP")}
+
+    def pack_scalars(self, row_F: torch.Tensor, report: dict) -> None:
+        for stack, sl in self.slices.items():
+            if not stack.endswith("_KP"):
+                row_F[sl] = torch.as_tensor(report[self.keys[stack]], dtype=row_F.dtype).reshape(-1)
+
+    def unpack(self, rows_KF: torch.Tensor) -> dict[str, torch.Tensor]:
+        stacks = {}
+        for stack, sl in self.slices.items():
+            block = rows_KF[:, sl]
+            stacks[stack] = block[:, 0] if stack.endswith("_K") else block
+        return stacks
+
+
+class Progress:
+    """One line on rank 0: round, accuracy, seconds per round, ETA. Rewritten in place on a
+    terminal; on a log file one line per evaluation."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.tty = sys.stderr.isatty()
+        self.start, self.first = time.perf_counter(), None
+
+    def update(self, round_idx: int, start_round: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        done = round_idx - start_round + 1
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - round_idx)
+        acc = metrics.get("test_accuracy")
+        acc_text = f"acc {acc:.4f}" if acc is not None else "acc   -   "
+        line = (f"round {round_idx}/{self.total} | {acc_text} | train loss {metrics['train_loss']:.4f}"
+                f" | {elapsed / done:.2f} s/round | ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+        if self.tty:
+            sys.stderr.write("\r" + line + ("\n" if round_idx == self.total else ""))
+        elif acc is not None or round_idx == self.total:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _to_json(value):
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+@torch.no_grad()
+def evaluate(model, test, comm, batch_size: int = 1000) -> tuple[float, float]:
+    """Global test loss and accuracy; the test set is sharded over ranks, sums all-reduced."""
+    model.eval()
+    x_all, y_all = test.x[comm.rank::comm.world_size], test.y[comm.rank::comm.world_size]
+    sums = torch.zeros(3, dtype=torch.float64, device=comm.device)  # loss, correct, count
+    for start in range(0, len(y_all), batch_size):
+        x, y = x_all[start:start + batch_size], y_all[start:start + batch_size]
+        logits = model(x)
+        sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
+        sums[1] += (logits.argmax(1) == y).sum()
+        sums[2] += len(y)
+    comm.all_reduce_sum_(sums)
+    model.train()
+    count = max(sums[2].item(), 1.0)
+    return sums[0].item() / count, sums[1].item() / count
+
+
+def _agree_on_failure(comm, error: Exception | None) -> None:
+    """Every rank learns whether any rank failed to load its data, so none waits forever at
+    the first collective; the rank that failed re-raises its own (named) error."""
+    flag = torch.tensor([1.0 if error else 0.0], device=comm.device)
+    comm.all_reduce_sum_(flag)
+    if error is not None:
+        raise error
+    if flag.item() > 0:
+        raise DataError("data: another rank could not load its data (see its message)")
+
+
+def run(cfg: config.Config, comm) -> dict:
+    rc = cfg.run
+    torch.set_num_threads(rc.num_threads)
+    device = comm.device
+    ckpt_root = os.path.join(rc.out_dir, "checkpoints")
+    local_name, server_name = resolve_algorithm(cfg)
+    strategy = strategies.get(server_name)
+    rule = local_rules.get(local_name)
+    needs = strategies.ALWAYS | strategy.needs
+
+    # -- data: only this rank's clients are materialised ------------------------------------
+    owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
+    error = None
+    try:
+        data = build_data(cfg, rc.seed, owned)
+    except DataError as exc:
+        error = exc
+    _agree_on_failure(comm, error)
+    if device.type != "cpu":
+        data.train = {c: ClientData(d.x.to(device), d.y.to(device)) for c, d in data.train.items()}
+        data.test = ClientData(data.test.x.to(device), data.test.y.to(device))
+
+    # -- model and flat vectors: the seeded init is identical on every rank ----------------
+    torch.manual_seed(rc.seed)
+    model = build_model(cfg, data.input_shape, data.num_classes).to(device)
+    layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
+    global_P = layout.flatten(model).clone()
+    state = strategy.init_state(global_P, cfg.algorithm)
+    client_states: dict[int, dict[str, torch.Tensor]] = {}
+    num_layers = len(layout.conv_entries())
+    static = {"conv_group_P": layout.conv_group_P().to(device)} if "conv_group_P" in needs else {}
+    report = ReportLayout(needs, layout.numel, num_layers)
+
+    start_round = 1
+    if rc.resume and (folder := checkpoint.latest(ckpt_root)) is not None:
+        saved, client_states = checkpoint.load(folder, set(owned), device)
+        global_P.copy_(saved["global_P"])
+        state = saved["state"]
+        start_round = int(saved["round"]) + 1
+    comm.broadcast_(global_P)
+
+    if comm.is_main:
+        os.makedirs(rc.out_dir, exist_ok=True)
+        with open(os.path.join(rc.out_dir, "config.toml"), "w") as fh:
+            fh.write(config.dumps(cfg))
+        metrics_path = os.path.join(rc.out_dir, "metrics.jsonl")
+        if start_round == 1 and os.path.exists(metrics_path):
+            os.remove(metrics_path)
+        elif start_round > 1:
+            _truncate_metrics(metrics_path, start_round - 1)
+    progress = Progress(rc.rounds, rc.progress and comm.is_main)
+    num_sampled = cfg.num_sampled()
+    last_round = start_round - 1
+
+    for round_idx in range(start_round, rc.rounds + 1):
+        t_round = time.perf_counter()
+        # -- sample: identical on every rank, no communication ------------------------------
+        sampled = sample_clients(cfg.data.num_clients, num_sampled, rc.seed, round_idx)
+        mine = [c for c in sampled if owner(c, comm.world_size) == comm.rank]
+        rows_per_rank, row_order = layout_rows(sampled, comm.world_size)
+        rows_MF = torch.zeros(rows_per_rank, report.width, device=device)
+
+        # -- local training of this rank's sampled clients, one after another ----------------
+        server_view = {k: state[k] for k in strategy.client_visible}
+        for i, cid in enumerate(mine):
+            layout.unflatten_into(global_P, model)
+            ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
+                                client_states.setdefault(cid, {}))
+            out = report.views(rows_MF[i])
+            train_client(model, ctx, data.train[cid], cfg, rule, needs,
+                         client_seed(rc.seed, round_idx, cid), out)
+            report.pack_scalars(rows_MF[i], out)
+        t_train = time.perf_counter()
+
+        # -- gather the reports, ordered by client id ---------------------------------------
+        rows_KF = comm.all_gather_rows(rows_MF)
+        if comm.is_main:
+            rows_KF = rows_KF[torch.tensor(row_order, device=device)]
+        t_gather = time.perf_counter()
+
+        # -- aggregate on rank 0 -------------------------------------------------------------
+        diagnostics = {}
+        if comm.is_main:
+            stacks = report.unpack(rows_KF) | static
+            global_P, state, diagnostics = strategy.aggregate(global_P, stacks, state, cfg.algorithm)
+            train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
+        t_agg = time.perf_counter()
+
+        # -- broadcast the new global model (and the state clients must see) ----------------
+        global_P = global_P.contiguous()
+        comm.broadcast_(global_P)
+        for key in strategy.client_visible:
+            comm.broadcast_(state[key])
+        t_bcast = time.perf_counter()
+
+        # -- evaluate ------------------------------------------------------------------------
+        test_loss = test_accuracy = None
+        if round_idx % rc.eval_every == 0 or round_idx == rc.rounds:
+            layout.unflatten_into(global_P, model)
+            test_loss, test_accuracy = evaluate(model, data.test, comm)
+        t_eval = time.perf_counter()
+
+        # -- checkpoint ----------------------------------------------------------------------
+        stopping = rc.stop_after and round_idx == rc.stop_after
+        if rc.ckpt_every and (round_idx % rc.ckpt_every == 0 or stopping):
+            server = {"round": round_idx, "global_P": global_P.cpu(),
+                      "state": {k: v.cpu() for k, v in state.items()},
+                      "torch_rng": torch.get_rng_state()} if comm.is_main else None
+            checkpoint.save(comm, ckpt_root, round_idx, server, client_states)
+        t_ckpt = time.perf_counter()
+
+        if comm.is_main:
+            line = {"round": round_idx, "train_loss": train_loss, "test_loss": test_loss,
+                    "test_accuracy": test_accuracy, "time_s": t_ckpt - t_round,
+                    "train_s": t_train - t_round, "communicate_s": (t_gather - t_train) + (t_bcast - t_agg),
+                    "aggregate_s": t_agg - t_gather, "evaluate_s": t_eval - t_bcast,
+                    "checkpoint_s": t_ckpt - t_eval, "clients": sampled}
+            line.update({k: _to_json(v) for k, v in diagnostics.items()})
+            with open(os.path.join(rc.out_dir, "metrics.jsonl"), "a") as fh:
+                fh.write(json.dumps(line) + "\n")
+            progress.update(round_idx, start_round, line)
+        last_round = round_idx
+        if stopping:
+            break
+
+    if comm.is_main and last_round == rc.rounds:
+        checkpoint.atomic_save(layout.state_dict(global_P), os.path.join(rc.out_dir, "final.pt"))
+    comm.barrier()
+    return {"last_round": last_round, "global_P": global_P}
+
+
+def _truncate_metrics(path: str, last_round: int) -> None:
+    """On resume, drop metric lines past the checkpoint (a crash may have left some)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        lines = [ln for ln in fh if ln.strip() and json.loads(ln)["round"] <= last_round]
+    checkpoint.atomic_write_text("".join(lines), path)

@@ -1,0 +1,85 @@
+"""Server rules: pure functions over the stacked client reports, in a registry by name.
+
+Legend: K sampled clients (rows ordered by client id), P flat parameters, L conv layers.
+
+A rule is ``aggregate(global_P, stacks, state, hp) -> (new_global_P, new_state, diagnostics)``:
+no torch.distributed, no logging, no ``.item()``, no Python loop over clients or parameters.
+``stacks`` holds only the report fields the rule declares in ``needs`` (plus the ones every rule
+gets), each a tensor whose name ends in its shape:
+
+  params_KP        float32 [K, P]  each client's trained flat model (always)
+  num_samples_K    float32 [K]     training samples of each client (always)
+  train_loss_K     float32 [K]     mean local training loss (always)
+  last_grad_KP     float32 [K, P]  minibatch gradient at the last local step     (FedGMA)
+  full_grad_KP     float32 [K, P]  full-batch gradient of the mean loss at w_k   (CGW)
+  full_loss_K      float32 [K]     full-batch mean loss at w_k, eval mode         (CGW)
+  eff_rank_KL      float32 [K, L]  effective rank of each conv layer of w_k       (FedER)
+  num_steps_K      float32 [K]     local optimizer steps taken                   (FedNova)
+  control_delta_KP float32 [K, P]  c_k+ - c_k                                    (SCAFFOLD)
+  conv_group_P     int64   [P]     conv layer each element follows, -1 before the first (FedER;
+                                   static, from the flat layout, not a client report)
+
+``state`` is a dict of tensors owned by rank 0 and checkpointed; ``init_state(global_P, hp)``
+makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``. ``diagnostics`` is a dict of
+tensors (scalars or small vectors) that the round loop writes to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+Stacks = dict[str, torch.Tensor]
+State = dict[str, torch.Tensor]
+AggregateFn = Callable[[torch.Tensor, Stacks, State, object], tuple[torch.Tensor, State, dict]]
+
+ALWAYS = frozenset({"params_KP", "num_samples_K", "train_loss_K"})
+
+
+def _no_state(global_P: torch.Tensor, hp) -> State:
+    return {}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    aggregate: AggregateFn
+    needs: frozenset[str] = frozenset()
+    init_state: Callable[[torch.Tensor, object], State] = _no_state
+    # state entries every rank needs before local training (e.g. SCAFFOLD's server control c):
+    # broadcast from rank 0 with the global model each round.
+    client_visible: tuple[str, ...] = ()
+    doc: str = ""
+
+
+REGISTRY: dict[str, Strategy] = {}
+
+
+def register(strategy: Strategy) -> Strategy:
+    assert strategy.name not in REGISTRY, f"server rule {strategy.name} registered twice"
+    REGISTRY[strategy.name] = strategy
+    return strategy
+
+
+def get(name: str) -> Strategy:
+    return REGISTRY[name]
+
+
+def client_weights_K(stacks: Stacks, hp) -> torch.Tensor:
+    """p_k: sample-count weights (or uniform), summing to 1."""
+    n_K = stacks["num_samples_K"].to(stacks["params_KP"].dtype)
+    if getattr(hp, "weighting", "samples") == "uniform":
+        n_K = torch.ones_like(n_K)
+    return n_K / n_K.sum()
+
+
+def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k rows_k as one matrix-vector product (one pass over [K, P])."""
+    return weights_K.to(rows_KP.dtype) @ rows_KP
+
+
+# Registration of the built-in rules: each module registers itself on import.
+from . import fedavg  # noqa: E402,F401
+from . import fedmom, fedcong, fedgma, cgw, feder  # noqa: E402,F401

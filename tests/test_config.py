@@ -1,0 +1,81 @@
+"""Config loading: typed fields, dotted overrides, every error reported at once, exit status 2."""
+
+import subprocess
+import sys
+
+import pytest
+
+from fedddp import config
+from fedddp.errors import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_overrides_are_typed_and_applied(tmp_path):
+    path = write(tmp_path, "[run]\nrounds = 3\n[train]\nlr = 1\n")
+    cfg = config.load(path, ["run.rounds=7", "algorithm.name=fedavg", "run.resume=true", "train.lr=0.5"])
+    assert cfg.run.rounds == 7 and cfg.run.resume is True and cfg.train.lr == 0.5
+    assert isinstance(cfg.train.lr, float)
+
+
+def test_int_in_toml_for_float_field_is_accepted(tmp_path):
+    cfg = config.load(write(tmp_path, "[train]\nlr = 1\n"))
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+
+
+def test_all_errors_reported_at_once_with_paths(tmp_path):
+    path = write(tmp_path, "[run]\nrounds = 'x'\nbogus = 1\n[data]\nname = 'imagenet'\n[nope]\na = 1\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    msg = str(err.value)
+    for fragment in ("run.rounds", "run.bogus", "nope", "valid:"):
+        assert fragment in msg, msg
+    assert "\n" not in msg
+
+
+def test_choice_and_impossible_values(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, ["data.name=imagenet", "run.clients_per_round=50", "data.num_clients=10",
+                           "algorithm.name=nope"])
+    msg = str(err.value)
+    assert "data.name: 'imagenet' is not one of synthetic" in msg
+    assert "run.clients_per_round: 50 sampled clients but only data.num_clients = 10" in msg
+    assert "algorithm.name: unknown algorithm 'nope' (valid: fedavg" in msg
+
+
+def test_bool_must_be_true_or_false():
+    with pytest.raises(ConfigError, match="run.resume: expected bool"):
+        config.load(None, ["run.resume=yes"])
+
+
+def test_dumps_round_trips(tmp_path):
+    cfg = config.load(None, ["run.rounds=9", "run.out_dir=a \"b\"", "train.lr=0.25"])
+    again = config.load(write(tmp_path, config.dumps(cfg)))
+    assert again == cfg
+
+
+def test_every_field_has_a_doc():
+    text = config.describe()
+    assert "run.rounds" in text and "algorithm.cgw_alpha" in text
+    for section_cls in config.SECTIONS.values():
+        for f in section_cls.__dataclass_fields__.values():
+            assert f.metadata.get("doc"), f.name
+
+
+def test_cli_bad_config_exits_2_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fedddp", "run.rounds=0", "data.name=x"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "run.rounds: must be > 0" in proc.stderr
+    assert "data.name" in proc.stderr
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fedddp", "nope.toml"], capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and "nope.toml: config file not found" in proc.stderr
