@@ -33,7 +33,9 @@ class RunConfig:
     participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.")
     eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).")
     ckpt_every: int = opt(0, "Write a checkpoint every this many rounds (0: only the final model).")
-    resume: bool = opt(False, "Continue from the newest complete checkpoint in out_dir/checkpoints.")
+    resume: bool = opt(False, "Continue from the newest complete checkpoint in out_dir/checkpoints. Forced "
+                              "on in workers restarted by torchrun --max-restarts (TORCHELASTIC_RESTART_COUNT "
+                              "> 0); a fresh run (false) first drops the old LATEST pointer.")
     stop_after: int = opt(0, "Stop (cleanly, after checkpointing) once this round is done; 0: run all rounds.")
     device: str = opt("cpu", "cpu or cuda. cuda: NCCL backend, rank r binds cuda:LOCAL_RANK; cpu: gloo.",
                       ("cpu", "cuda"))
@@ -208,9 +210,9 @@ def validate(cfg: Config) -> list[str]:
             value = getattr(obj, f.name)
             if choices and value not in choices:
                 errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}")
-    positive = ["run.rounds", "run.eval_every", "run.num_threads", "data.num_clients",
+    positive = ["run.rounds", "run.eval_every", "run.num_threads", "data.num_clients", "data.shards_per_client",
                 "train.lr_step_size", "model.hidden"]
-    non_negative = ["run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
+    non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
                     "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
                     "train.weight_decay", "algorithm.server_lr", "algorithm.prox_mu", "algorithm.sam_rho",
                     "algorithm.gam_rho", "algorithm.gam_alpha", "algorithm.cgw_alpha",
@@ -222,7 +224,9 @@ def validate(cfg: Config) -> list[str]:
             errors.append(f"{path}: must be > 0, got {value}")
         elif value < 0:
             errors.append(f"{path}: must be >= 0, got {value}")
-    unit = {"run.participation": cfg.run.participation, "data.holdout_from_test": cfg.data.holdout_from_test,
+    if not 0.0 <= cfg.data.holdout_from_test < 1.0:
+        errors.append(f"data.holdout_from_test: must be in [0, 1), got {cfg.data.holdout_from_test}")
+    unit = {"run.participation": cfg.run.participation,
             "algorithm.gma_threshold": cfg.algorithm.gma_threshold, "algorithm.cong_alpha": cfg.algorithm.cong_alpha,
             "algorithm.server_momentum": cfg.algorithm.server_momentum}
     for path, value in unit.items():

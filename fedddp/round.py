@@ -28,7 +28,9 @@ from .sampling import client_seed, layout_rows, owned_clients, owner, sample_cli
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
 VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"))
-SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"),
+# train_time_K (seconds each client trained) rides along so rank 0 can tell local training on
+# the slowest rank from communication without another collective.
+SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"), ("train_time_K", "train_time"),
                  ("num_steps_K", "num_steps"), ("full_loss_K", "full_loss"))
 
 
@@ -44,7 +46,7 @@ class ReportLayout:
                 self.slices[stack] = slice(offset, offset + numel)
                 offset += numel
         for stack, key in SCALAR_FIELDS:
-            if stack in needs or stack in strategies.ALWAYS:
+            if stack in needs or stack in strategies.ALWAYS or stack == "train_time_K":
                 self.slices[stack] = slice(offset, offset + 1)
                 offset += 1
         if "eff_rank_KL" in needs:
@@ -179,6 +181,10 @@ def run(cfg: config.Config, comm) -> dict:
         with open(os.path.join(rc.out_dir, "config.toml"), "w") as fh:
             fh.write(config.dumps(cfg))
         metrics_path = os.path.join(rc.out_dir, "metrics.jsonl")
+        if not rc.resume:
+            # A fresh run is never continued from an older run's checkpoints, e.g. by a torchrun
+            # restart that comes before this run's first checkpoint.
+            checkpoint.forget(ckpt_root)
         if start_round == 1 and os.path.exists(metrics_path):
             os.remove(metrics_path)
         elif start_round > 1:
@@ -202,8 +208,10 @@ def run(cfg: config.Config, comm) -> dict:
             ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
                                 client_states.setdefault(cid, {}))
             out = report.views(rows_MF[i])
+            t_client = time.perf_counter()
             train_client(model, ctx, data.train[cid], cfg, rule, needs,
                          client_seed(rc.seed, round_idx, cid), out)
+            out["train_time"] = time.perf_counter() - t_client
             report.pack_scalars(rows_MF[i], out)
         t_train = time.perf_counter()
 
@@ -219,6 +227,7 @@ def run(cfg: config.Config, comm) -> dict:
             stacks = report.unpack(rows_KF) | static
             global_P, state, diagnostics = strategy.aggregate(global_P, stacks, state, cfg.algorithm)
             train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
+            train_s_R = _per_rank_seconds(stacks["train_time_K"], sampled, comm.world_size)
         t_agg = time.perf_counter()
 
         # -- broadcast the new global model (and the state clients must see) ----------------
@@ -247,7 +256,9 @@ def run(cfg: config.Config, comm) -> dict:
         if comm.is_main:
             line = {"round": round_idx, "train_loss": train_loss, "test_loss": test_loss,
                     "test_accuracy": test_accuracy, "time_s": t_ckpt - t_round,
-                    "train_s": t_train - t_round, "communicate_s": (t_gather - t_train) + (t_bcast - t_agg),
+                    # rank 0's wait for slower ranks is their local training, not communication
+                    "train_s": max(train_s_R), "train_imbalance_s": max(train_s_R) - min(train_s_R),
+                    "communicate_s": max(0.0, (t_gather - t_round) - max(train_s_R)) + (t_bcast - t_agg),
                     "aggregate_s": t_agg - t_gather, "evaluate_s": t_eval - t_bcast,
                     "checkpoint_s": t_ckpt - t_eval, "clients": sampled}
             line.update({k: _to_json(v) for k, v in diagnostics.items()})
@@ -262,6 +273,13 @@ def run(cfg: config.Config, comm) -> dict:
         checkpoint.atomic_save(layout.state_dict(global_P), os.path.join(rc.out_dir, "final.pt"))
     comm.barrier()
     return {"last_round": last_round, "global_P": global_P}
+
+
+def _per_rank_seconds(train_time_K: torch.Tensor, sampled: list[int], world_size: int) -> list[float]:
+    seconds = [0.0] * world_size
+    for cid, sec in zip(sampled, train_time_K.tolist()):
+        seconds[owner(cid, world_size)] += sec
+    return seconds
 
 
 def _truncate_metrics(path: str, last_round: int) -> None:

@@ -31,7 +31,7 @@ def mnist_root(tmp_path_factory):
 
 CNN = ["data.name=mnist", "data.holdout_from_test=0.2", "data.num_clients=6", "data.partition=dirichlet",
        "data.dirichlet_alpha=0.5", "model.name=cnn", "run.rounds=3", "run.clients_per_round=5",
-       "train.batch_size=16", "train.lr=0.05", "run.eval_every=1"]
+       "train.batch_size=16", "train.lr=0.05", "train.local_epochs=2", "run.eval_every=1"]
 
 
 @pytest.mark.slow
