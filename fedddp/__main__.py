@@ -10,6 +10,7 @@ one line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from . import config, env
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         from .comm import Comm
         from .round import run
         comm = Comm(proc, cfg.run.device)
+        _resume_after_torchrun_restart(cfg, comm)
         run(cfg, comm)
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
@@ -45,6 +47,23 @@ def main(argv: list[str] | None = None) -> int:
         if comm is not None:
             comm.close()
     return 0
+
+
+def _resume_after_torchrun_restart(cfg, comm) -> None:
+    """torchrun --max-restarts=N restarts the whole group after a rank dies: the new workers
+    continue from the last checkpoint instead of starting over (docs/launching.md). The count
+    is kept per node (an agent whose own workers were healthy restarts them without counting
+    one), so the ranks agree first: any restarted rank makes every rank resume."""
+    import torch
+
+    restarts = torch.tensor([float(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)],
+                            device=comm.device)
+    comm.all_reduce_sum_(restarts)
+    if restarts.item() > 0 and not cfg.run.resume:
+        cfg.run.resume = True
+        if comm.is_main:
+            print(f"fedddp: restarted by torchrun: resuming from the last checkpoint in "
+                  f"{cfg.run.out_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -56,10 +56,20 @@ def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
     comm.barrier()
     if comm.is_main:
         atomic_write_text(os.path.basename(folder), os.path.join(ckpt_root, LATEST))
-        complete = sorted(glob.glob(os.path.join(ckpt_root, "round_*")))
+        # Only folders up to this round: a newer one is a leftover (an interrupted save, an older
+        # run in the same out_dir) and must not push the checkpoint just written out.
+        complete = sorted(f for f in glob.glob(os.path.join(ckpt_root, "round_*")) if f <= folder)
         for old in complete[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
+
+
+def forget(ckpt_root: str) -> None:
+    """Drop the LATEST pointer (a fresh run starts); the round folders stay on disk."""
+    try:
+        os.remove(os.path.join(ckpt_root, LATEST))
+    except FileNotFoundError:
+        pass
 
 
 def latest(ckpt_root: str) -> str | None:

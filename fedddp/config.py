@@ -42,6 +42,11 @@ class RunConfig:
     num_threads: int = opt(1, "torch intra-op threads per rank. Pinned so results are bitwise the same "
                               "for any number of ranks; raise it only if you do not need that.")
     progress: bool = opt(True, "Show a one-line progress display (round, accuracy, ETA) on rank 0.")
+    client_state: str = opt("memory", "Where per-client persistent state (SCAFFOLD's c_k, MOON's previous "
+                                      "model, FedSMOO's duals) lives on its owner rank: memory (RAM or the "
+                                      "device), or mmap (files under out_dir/client_state, rows read per "
+                                      "client: for thousands of clients). Checkpointed either way.",
+                            ("memory", "mmap"))
 
 
 @dataclass
@@ -77,7 +82,8 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    optimizer: str = opt("sgd", "Client optimizer, new for each client each round.",
+    optimizer: str = opt("sgd", "Client optimizer. Built fresh for each client each round (the papers' "
+                                "default): no momentum buffer, Adam moment or RMSGD metric survives a round.",
                          ("sgd", "adam", "adamp", "rmsgd"))
     lr: float = opt(0.01, "Client learning rate.")
     momentum: float = opt(0.0, "SGD momentum.")
@@ -89,13 +95,22 @@ class TrainConfig:
                            ("none", "steplr"))
     lr_step_size: int = opt(25, "StepLR period, in lr_schedule_unit units.")
     lr_gamma: float = opt(0.5, "StepLR factor.")
-    lr_schedule_unit: str = opt("round", "What StepLR counts: rounds, or local epochs summed over rounds.",
+    lr_schedule_unit: str = opt("round", "What StepLR counts: rounds (lr fixed within a round), or local "
+                                         "epochs on the clock (round - 1) * local_epochs + epoch of the "
+                                         "round (needs local_epochs, not local_steps).",
                                 ("round", "epoch"))
+    rmsgd_beta: float = opt(0.8, "RMSGD beta (its velocity averaging). RMSGD adapts its per-layer rates "
+                                 "between local epochs (epoch_step), so with one local epoch per round "
+                                 "and a fresh optimizer it is plain SGD.")
 
 
 @dataclass
 class AlgorithmConfig:
     name: str = opt("fedavg", "Federated algorithm (see docs/algorithms.md).")
+    local: str = opt("auto", "Client-side local rule; auto: the one algorithm.name implies. Another rule "
+                             "composes with the name's server rule, e.g. name = fedgma with local = prox, "
+                             "or name = feder with local = gam.",
+                     ("auto", "plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo"))
     weighting: str = opt("samples", "Client weights p_k for averaging: by sample count or uniform.",
                          ("samples", "uniform"))
     server_lr: float = opt(1.0, "Server step size: FedGMA's eta_s, SCAFFOLD's eta_g.")
@@ -112,6 +127,9 @@ class AlgorithmConfig:
     prox_mu: float = opt(0.1, "FedProx proximal weight mu.")
     moon_mu: float = opt(1.0, "MOON contrastive weight mu.")
     moon_tau: float = opt(0.5, "MOON temperature tau.")
+    moon_proj_dim: int = opt(256, "MOON projection head output size: a 2-layer MLP (d -> d -> this) "
+                                  "between the features and the classifier, as in MOON's code; 0: no "
+                                  "head, the contrastive term reads the features. Only for MOON clients.")
     sam_rho: float = opt(0.1, "FedSAM / FedSMOO perturbation radius rho.")
     gam_rho: float = opt(0.02, "FedGAM perturbation radius rho.")
     gam_alpha: float = opt(0.2, "FedGAM weight alpha of the gradient-norm term.")

@@ -20,6 +20,7 @@ from . import checkpoint, config, strategies
 from .algorithms import resolve as resolve_algorithm
 from .client import ClientContext, train_client
 from .client import rules as local_rules
+from .client.state import open_store as open_client_states
 from .data import ClientData, build as build_data
 from .errors import DataError
 from .flat import FlatLayout
@@ -27,7 +28,8 @@ from .models import build_model
 from .sampling import client_seed, layout_rows, owned_clients, owner, sample_clients
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
-VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"))
+VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"),
+                 ("control_delta_KP", "control_delta_P"), ("perturb_dual_KP", "perturb_dual_P"))
 # train_time_K (seconds each client trained) rides along so rank 0 can tell local training on
 # the slowest rank from communication without another collective.
 SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"), ("train_time_K", "train_time"),
@@ -143,7 +145,7 @@ def run(cfg: config.Config, comm) -> dict:
     local_name, server_name = resolve_algorithm(cfg)
     strategy = strategies.get(server_name)
     rule = local_rules.get(local_name)
-    needs = strategies.ALWAYS | strategy.needs
+    needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
 
     # -- data: only this rank's clients are materialised ------------------------------------
     owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
@@ -163,14 +165,18 @@ def run(cfg: config.Config, comm) -> dict:
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()
     state = strategy.init_state(global_P, cfg.algorithm)
-    client_states: dict[int, dict[str, torch.Tensor]] = {}
+    # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap)
+    client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
+        rc.out_dir, "client_state", f"rank{comm.rank}"))
     num_layers = len(layout.conv_entries())
-    static = {"conv_group_P": layout.conv_group_P().to(device)} if "conv_group_P" in needs else {}
+    static = _static_stacks(needs, cfg, layout, device)
     report = ReportLayout(needs, layout.numel, num_layers)
 
     start_round = 1
     if rc.resume and (folder := checkpoint.latest(ckpt_root)) is not None:
-        saved, client_states = checkpoint.load(folder, set(owned), device)
+        saved, saved_clients = checkpoint.load(folder, set(owned), device)
+        client_states.restore(saved_clients)
+        del saved_clients
         global_P.copy_(saved["global_P"])
         state = saved["state"]
         start_round = int(saved["round"]) + 1
@@ -206,7 +212,7 @@ def run(cfg: config.Config, comm) -> dict:
         for i, cid in enumerate(mine):
             layout.unflatten_into(global_P, model)
             ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
-                                client_states.setdefault(cid, {}))
+                                client_states.client(cid))
             out = report.views(rows_MF[i])
             t_client = time.perf_counter()
             train_client(model, ctx, data.train[cid], cfg, rule, needs,
@@ -272,7 +278,24 @@ def run(cfg: config.Config, comm) -> dict:
     if comm.is_main and last_round == rc.rounds:
         checkpoint.atomic_save(layout.state_dict(global_P), os.path.join(rc.out_dir, "final.pt"))
     comm.barrier()
+    client_states.close()
     return {"last_round": last_round, "global_P": global_P}
+
+
+def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:
+    """Stacks that are not client reports but fixed for the run: conv_group_P (FedER),
+    param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO) and
+    client_momentum (FedNova's rho)."""
+    static = {}
+    if "conv_group_P" in needs:
+        static["conv_group_P"] = layout.conv_group_P().to(device)
+    if "param_mask_P" in needs:
+        static["param_mask_P"] = local_rules.param_mask_P(layout, device)
+    if "num_clients" in needs:
+        static["num_clients"] = torch.tensor(float(cfg.data.num_clients), device=device)
+    if "client_momentum" in needs:
+        static["client_momentum"] = torch.tensor(float(cfg.train.momentum), device=device)
+    return static
 
 
 def _per_rank_seconds(train_time_K: torch.Tensor, sampled: list[int], world_size: int) -> list[float]:

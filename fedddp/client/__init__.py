@@ -31,6 +31,7 @@ class ClientContext:
     hp: object  # AlgorithmConfig
     server_view: dict[str, torch.Tensor] = field(default_factory=dict)  # broadcast server state
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # this client's persistent state
+    scratch: dict = field(default_factory=dict)  # a rule's working tensors between its hooks (not kept)
 
 
 def _batches_per_epoch(n: int, batch_size: int) -> int:
@@ -57,6 +58,7 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     optimizer = build_optimizer(tc, params, lr_at(tc, ctx.round_idx, epochs_before))
     rule.begin(model, ctx)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    lr_sum = 0.0  # the rule's end hook gets the mean learning rate of the steps taken (SCAFFOLD)
     order = None
     for step in range(total_steps):
         pos = step % per_epoch
@@ -75,8 +77,9 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
         loss_sum += loss.detach()
         if step == total_steps - 1 and "last_grad_KP" in needs:
             ctx.layout.flatten_grads(model, out=out["last_grad_P"])
+        lr_sum += optimizer.param_groups[0]["lr"]
         optimizer.step()
-    rule.end(model, ctx, total_steps, tc.lr)
+    rule.end(model, ctx, total_steps, lr_sum / max(total_steps, 1), out)
 
     ctx.layout.flatten(model, out=out["params_P"])
     out["train_loss"] = loss_sum / max(total_steps, 1)

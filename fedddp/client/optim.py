@@ -1,10 +1,25 @@
 """Client optimizers and learning-rate schedules.
 
 Optimizer state policy: a client gets a fresh optimizer every round (the papers' default; no
-momentum or Adam moments survive between rounds). StepLR is computed in closed form from the
-round (``lr_schedule_unit = "round"``) or from the number of local epochs run so far by this
-client's position in the schedule (``"epoch"``: (round - 1) * local_epochs + epoch), so it needs
-no state and is identical on every rank.
+momentum buffer, Adam moment or RMSGD metric survives between rounds).
+
+  sgd    torch SGD (train.momentum, train.weight_decay)
+  adam   torch Adam, betas (0.9, 0.999)
+  adamp  the ``adamp`` package (Heo et al. 2021): betas (0.9, 0.999), delta 0.1, wd_ratio 0.1
+  rmsgd  the ``rmsgd`` package (Hosseini et al.): RMSGD(params, lr, beta, momentum, weight_decay);
+         its own step_size/gamma schedule is not used. It keeps one rate per layer
+         (``lr_vector``, from the conv layers' stable rank) and ignores ``param_groups``' lr.
+
+StepLR is computed in closed form, so it needs no state and is identical on every rank:
+lr * gamma ** (count // step_size), where count is the round - 1 (``lr_schedule_unit =
+"round"``: fixed within a round) or the local-epoch clock (round - 1) * local_epochs + epoch
+(``"epoch"``: the rate changes between a client's local epochs). RMSGD ignores the group lr,
+so with RMSGD the schedule only sets each fresh optimizer's initial rate: a change between the
+local epochs of a round is refused by config validation.
+
+Between local epochs ``epoch_end`` calls RMSGD's ``epoch_step()`` (its per-layer rates adapt
+from the second local epoch on; with one local epoch per round RMSGD is plain SGD) and moves
+the epoch-unit StepLR. The call after the last epoch is skipped: the optimizer is discarded.
 """
 
 from __future__ import annotations
@@ -20,17 +35,19 @@ def lr_at(tc, round_idx: int, epochs_done: int) -> float:
 
 
 def build_optimizer(tc, params, lr: float) -> torch.optim.Optimizer:
+    params = list(params)
     if tc.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     if tc.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=tc.weight_decay)
+        return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=tc.weight_decay)
     if tc.optimizer == "adamp":
         from adamp import AdamP
         return AdamP(params, lr=lr, betas=(0.9, 0.999), delta=0.1, wd_ratio=0.1,
                      weight_decay=tc.weight_decay)
     if tc.optimizer == "rmsgd":
         from rmsgd import RMSGD
-        return RMSGD(params, lr=lr, weight_decay=tc.weight_decay)
+        return RMSGD(params, lr=lr, beta=tc.rmsgd_beta, momentum=tc.momentum,
+                     weight_decay=tc.weight_decay)
     raise AssertionError(tc.optimizer)  # config validation names the choices
 
 
@@ -41,3 +58,22 @@ def epoch_end(optimizer, tc, round_idx: int, epochs_done: int) -> None:
     if tc.lr_schedule != "none" and tc.lr_schedule_unit == "epoch":
         for group in optimizer.param_groups:
             group["lr"] = lr_at(tc, round_idx, epochs_done)
+
+
+def check_optimizer(tc) -> list[str]:
+    """Combinations of train.* that cannot work, each naming its key and the fix."""
+    errors = []
+    epoch_steplr = tc.lr_schedule == "steplr" and tc.lr_schedule_unit == "epoch"
+    if epoch_steplr and tc.local_steps > 0:
+        errors.append("train.lr_schedule_unit: epoch counts local epochs, but train.local_steps > 0 "
+                      "runs a fixed number of steps; use lr_schedule_unit = round or local_epochs")
+    if epoch_steplr and tc.optimizer == "rmsgd" and tc.local_epochs > 1:
+        errors.append("train.lr_schedule_unit: rmsgd sets its own per-layer rates and ignores a rate "
+                      "changed between the local epochs of a round; use lr_schedule_unit = round, "
+                      "local_epochs = 1, or lr_schedule = none (as the thesis runs RMSGD)")
+    if not 0.0 <= tc.rmsgd_beta < 1.0:
+        errors.append(f"train.rmsgd_beta: must be in [0, 1), got {tc.rmsgd_beta}")
+    if tc.momentum > 0 and tc.optimizer in ("adam", "adamp"):
+        errors.append(f"train.momentum: {tc.optimizer} has no momentum setting (its betas are fixed at "
+                      "(0.9, 0.999)); set train.momentum = 0")
+    return errors

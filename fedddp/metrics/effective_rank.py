@@ -14,8 +14,9 @@ factorization", JMLR 2013; public code read, not copied: jacobgil/pytorch-tensor
   components with s_h > sqrt(M sigma^2 x_bar) are kept and shrunk to
     d_h = s_h/2 (1 - (L+M) sigma^2/s_h^2 + sqrt((1 - (L+M) sigma^2/s_h^2)^2 - 4 L M sigma^4/s_h^4)).
 Our choices: everything in float64 on the CPU; the singular values are the square roots of the
-eigenvalues of Y Y^T (L x L; ~40x faster than an SVD of a 512 x 4608 kernel here, and within
-1e-12 relative of it in float64); the free energy is minimised globally on a 256-point
+eigenvalues of Y Y^T (L x L, torch.linalg.eigvalsh; ~40x faster than an SVD of a 512 x 4608
+kernel here, and within 1e-12 relative of it in float64; eigenvalues below L eps s_1^2 are
+rounding and count as exact zeros); the free energy is minimised globally on a 256-point
 geometric grid over [lb, ub] followed by golden-section refinement around the best grid point
 (the references use scipy's bounded Brent, a local search; scipy is not a dependency).
 
@@ -58,11 +59,9 @@ def _free_energy(sigma2: np.ndarray, sq_s: np.ndarray, L: int, M: int, x_bar: fl
 
 
 def _minimise(fn, lb: float, ub: float) -> float:
-    """Global minimum of a scalar function on [lb, ub]: grid, then golden section."""
-    if lb > 0:
-        grid = np.geomspace(lb, ub, GRID_POINTS)
-    else:
-        grid = np.linspace(lb, ub, GRID_POINTS)[1:]
+    """Global minimum of a scalar function on [lb, ub] (0 < lb <= ub): geometric grid, then
+    golden section between the neighbours of the best grid point."""
+    grid = np.geomspace(lb, ub, GRID_POINTS)
     values = fn(grid)
     best = int(np.argmin(values))
     lo, hi = grid[max(best - 1, 0)], grid[min(best + 1, len(grid) - 1)]
@@ -98,7 +97,11 @@ def evbmf(Y) -> tuple[torch.Tensor, float]:
     Y = _as_float64_matrix(Y)
     L, M = Y.shape
     H = L
-    sq_s = np.clip(np.linalg.eigvalsh(Y @ Y.T)[::-1], 0.0, None)             # s_h^2, descending
+    # s_h^2, descending. torch's LAPACK: numpy's eigvalsh was 10-40x slower on 256-512 sides here.
+    Y_t = torch.from_numpy(Y)
+    sq_s = torch.linalg.eigvalsh(Y_t @ Y_t.T).numpy()[::-1]
+    # Below L eps s_1^2 an eigenvalue of Y Y^T is rounding, not signal: call it an exact zero.
+    sq_s = np.where(sq_s > L * np.finfo(np.float64).eps * max(sq_s[0], 0.0), sq_s, 0.0)
     ub = float(sq_s.sum()) / (L * M)
     if not ub > 0:                                                            # Y = 0: nothing to find
         return torch.zeros(0, dtype=torch.float64), 0.0
@@ -107,7 +110,7 @@ def evbmf(Y) -> tuple[torch.Tensor, float]:
     x_bar = (1.0 + tau_bar) * (1.0 + a / tau_bar)
     eH = min(math.ceil(L / (1.0 + a)) - 1, H) - 1
     lb = max(sq_s[eH + 1] / (M * x_bar), float(sq_s[eH + 1:].mean()) / M)
-    lb = min(lb, ub)
+    lb = min(lb, ub) if lb > 0 else 1e-12 * ub   # exact low rank: no noise floor to search from
     sigma2 = _minimise(lambda v: _free_energy(v, sq_s, L, M, x_bar), lb, ub)
 
     threshold2 = M * sigma2 * x_bar                                           # keep s_h^2 > this

@@ -1,7 +1,10 @@
 """Models: logistic regression, MLP, the two-5x5-conv CNN of seed 002, ResNet-18 (CIFAR stem).
 
-Every model is ``head(features(x))``: ``features`` gives the representation (MOON's projection
-head and contrastive term read it), ``head`` is the final linear classifier.
+Every model is ``head(projection(features(x)))``: ``features`` gives the representation,
+``projection`` is the identity except for MOON clients with ``algorithm.moon_proj_dim > 0``
+(MOON's projection head: Linear(d, d), ReLU, Linear(d, out); the classifier then reads its
+output, as in MOON's code), and ``head`` is the final linear classifier. ``represent(x)`` is
+what MOON's contrastive term compares.
 """
 
 from __future__ import annotations
@@ -17,10 +20,22 @@ class Net(nn.Module):
     def __init__(self, features: nn.Module, head: nn.Module):
         super().__init__()
         self.features = features
+        self.projection = nn.Identity()  # no parameters: state_dict keys unchanged without MOON
         self.head = head
 
+    def represent(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(self.features(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
+        return self.head(self.represent(x))
+
+
+def add_projection_head(net: Net, out_dim: int, num_classes: int) -> Net:
+    """MOON's projection head between the features and a new classifier of ``out_dim`` inputs."""
+    dim = net.head.in_features
+    net.projection = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, out_dim))
+    net.head = nn.Linear(out_dim, num_classes)
+    return net
 
 
 def logistic(input_shape, num_classes) -> Net:
@@ -59,5 +74,10 @@ def resnet18(input_shape, num_classes) -> Net:
 def build_model(cfg, input_shape, num_classes) -> Net:
     name = cfg.model.name
     if name == "mlp":
-        return mlp(input_shape, num_classes, cfg.model.hidden)
-    return {"logistic": logistic, "cnn": cnn, "resnet18": resnet18}[name](input_shape, num_classes)
+        net = mlp(input_shape, num_classes, cfg.model.hidden)
+    else:
+        net = {"logistic": logistic, "cnn": cnn, "resnet18": resnet18}[name](input_shape, num_classes)
+    from ..algorithms import resolve  # late: algorithms imports the strategy registry
+    if resolve(cfg)[0] == "moon" and cfg.algorithm.moon_proj_dim > 0:
+        net = add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)
+    return net

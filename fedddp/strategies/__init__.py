@@ -26,7 +26,8 @@ tensors (scalars or small vectors) that the round loop writes to metrics.jsonl.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -51,7 +52,13 @@ class Strategy:
     # state entries every rank needs before local training (e.g. SCAFFOLD's server control c):
     # broadcast from rank 0 with the global model each round.
     client_visible: tuple[str, ...] = ()
+    # report fields needed under given hyper-parameters, when that depends on them (``needs``
+    # is then the widest set, for documentation)
+    needs_fn: Callable[[object], frozenset[str]] | None = None
     doc: str = ""
+
+    def needs_for(self, hp) -> frozenset[str]:
+        return self.needs_fn(hp) if self.needs_fn is not None else self.needs
 
 
 REGISTRY: dict[str, Strategy] = {}
@@ -80,6 +87,19 @@ def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Ten
     return weights_K.to(rows_KP.dtype) @ rows_KP
 
 
+def column_block(num_rows: int, device: torch.device) -> int:
+    """Columns per block for rules that need [K, block] temporaries: about 1 MiB of float32 per
+    temporary on CPU (fits in L2), 256 MiB on an accelerator (few kernel launches)."""
+    budget = 1 << 18 if device.type == "cpu" else 1 << 26
+    return max(256, budget // max(num_rows, 1))
+
+
+def min_agreeing(fraction: float, num_clients: int) -> int:
+    """Smallest integer count >= fraction * K, with a 1e-9 slack: 0.28 * 25 is 7.000000000000001."""
+    return max(0, math.ceil(fraction * num_clients - 1e-9))
+
+
 # Registration of the built-in rules: each module registers itself on import.
 from . import fedavg  # noqa: E402,F401
 from . import fedmom, fedcong, fedgma, cgw, feder  # noqa: E402,F401
+from . import scaffold, fednova, fedsmoo  # noqa: E402,F401

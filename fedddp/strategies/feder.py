@@ -9,10 +9,11 @@ follows (``conv_group_P``, from the flat layout); elements before the first conv
 uniform weights 1/K. Freshly initialised kernels have EVBMF rank 0, so early rounds clamp every
 client to 1e-3 and reduce to the uniform mean (expected).
 
-The per-element weights are gathered a block of columns at a time from the small [K, L+1]
-table (column 0 = uniform), so no [K, P] weight matrix is ever built and the params are read
-from memory once. Diagnostics: alpha_KL.
-Legend: K sampled clients, P flat parameters, L conv layers, B columns in a block.
+conv_group_P is constant over each tensor of the layout, so the rule walks its runs (R of them,
+at most one per tensor: 40 for ResNet-18 with buffers) and does one matrix-vector product per
+run with that run's column of the small [K, L+1] weight table (column 0 = uniform): no [K, P]
+weight matrix is built and the params are read once. Diagnostics: alpha_KL.
+Legend: K sampled clients, P flat parameters, L conv layers, R runs of equal conv group.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from . import Strategy, register
-from .fedgma import column_block
 
 MIN_RANK = 1e-3
 
@@ -32,19 +32,20 @@ def layer_weights_KL(eff_rank_KL: torch.Tensor) -> torch.Tensor:
 
 def aggregate(global_P, stacks, state, hp):
     params_KP = stacks["params_KP"]
-    num_clients, num_params = params_KP.shape
+    num_clients = params_KP.shape[0]
     alpha_KL = layer_weights_KL(stacks["eff_rank_KL"].to(params_KP.dtype))
     uniform_K1 = torch.full((num_clients, 1), 1.0 / num_clients, dtype=params_KP.dtype,
                             device=params_KP.device)
     table_KG = torch.cat([uniform_K1, alpha_KL.to(params_KP.device)], dim=1)  # G = L + 1
-    column_P = stacks["conv_group_P"] + 1                                  # -1 -> uniform column
-
+    # Runs of equal conv_group_P: at most one per tensor of the layout. Reading their bounds is
+    # the one host sync of this rule.
+    columns_R, lengths_R = torch.unique_consecutive(stacks["conv_group_P"] + 1, return_counts=True)
     new_global_P = torch.empty_like(global_P)
-    step = column_block(num_clients, params_KP.device)
-    for start in range(0, num_params, step):
-        cols = slice(start, start + step)
-        weights_KB = table_KG.index_select(1, column_P[cols])
-        torch.sum(weights_KB.mul_(params_KP[:, cols]), dim=0, out=new_global_P[cols])
+    start = 0
+    for column, length in zip(columns_R.tolist(), lengths_R.tolist()):
+        cols = slice(start, start + length)
+        torch.mv(params_KP[:, cols].T, table_KG[:, column], out=new_global_P[cols])
+        start += length
     return new_global_P, state, {"feder_alpha": alpha_KL}
 
 

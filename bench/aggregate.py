@@ -1,0 +1,236 @@
+"""Throughput of the server rules over stacked [K, P] float32 reports.
+
+    python bench/aggregate.py               # cuda if available, else cpu; ~5 minutes on 1 core
+    python bench/aggregate.py --quick       # K = 4 and 32 only
+    python bench/aggregate.py --threads 2   # torch intra-op threads (default 1 = run.num_threads)
+
+For each rule, K in {4, 32, 100} and P of seed 002's CNN (MNIST) and of ResNet-18 (CIFAR-100,
+buffers included, as fedddp flattens them), it prints one Markdown row:
+  ms/call      best time of one aggregate call over a few repetitions after a warm-up (inputs
+               already on the device). On one CPU thread the clock is the process's CPU time
+               (user + sys, so page faults of fresh outputs count) rather than wall time: on a
+               machine shared with other jobs wall time mostly measures the other jobs.
+  GB/s         bytes of the [K, P] stacks the rule reads (K P 4 per stack: 2 stacks for FedGMA
+               with the last-step gradient and for CGW) divided by ms/call
+  ratio        GB/s / copy bandwidth, where copy bandwidth = (read + write bytes) / time of one
+               512 MiB tensor copy measured in the same run (so ratio 1 means the rule streams
+               its input as fast as a copy moves bytes in and out)
+  naive ratio  the same for the obvious composition of torch ops (every step materialising its
+               [K, P] temporary), and speedup = naive ms / fused ms.
+Naive versions that would need more than NAIVE_BUDGET bytes of temporaries are skipped.
+Legend: K sampled clients, P flat parameters, L conv layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fedddp import strategies  # noqa: E402
+from fedddp.config import AlgorithmConfig  # noqa: E402
+from fedddp.flat import FlatLayout  # noqa: E402
+
+NAIVE_BUDGET = 4 * 2 ** 30
+HP = AlgorithmConfig(server_momentum=0.9, cong_alpha=0.7, gma_threshold=0.8, server_lr=1.0,
+                     gma_grad="last", gma_mask="hard", cgw_alpha=0.1)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
+def timed(fn, device, min_total=0.4, max_reps=5) -> float:
+    """Best seconds per call after one warm-up; fewer repetitions for slow calls."""
+    fn()
+    sync(device)
+    times = []
+    while len(times) < max_reps and (len(times) < 2 or sum(times) < min_total):
+        start = clock()
+        fn()
+        sync(device)
+        times.append(clock() - start)
+        if sum(times) > 2.0:  # multi-second calls: one timed call after the warm-up is enough
+            break
+    return min(times)
+
+
+def copy_bandwidth(device) -> float:
+    """(read + write) bytes per second of one 512 MiB copy."""
+    src = torch.rand(128 * 2 ** 20, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, min_total=1.0, max_reps=10)
+    return 2 * src.numel() * 4 / seconds
+
+
+def model_layouts():
+    """(name, P, conv_group_P) for seed 002's CNN on MNIST and ResNet-18 on CIFAR-100."""
+    try:
+        from fedddp.models import cnn, resnet18
+        nets = [("cnn-mnist", cnn((1, 28, 28), 10)), ("resnet18-c100", resnet18((3, 32, 32), 100))]
+    except ImportError:
+        # Fallback: the same architectures built here (two 5x5 convs: 1->32, 32->64, FC 1024->512->10).
+        import torchvision
+        from torch import nn
+        small = nn.Sequential(nn.Conv2d(1, 32, 5), nn.Conv2d(32, 64, 5), nn.Flatten(),
+                              nn.Linear(64 * 4 * 4, 512), nn.Linear(512, 10))
+        nets = [("cnn-mnist", small), ("resnet18-c100", torchvision.models.resnet18(num_classes=100))]
+    out = []
+    for name, net in nets:
+        layout = FlatLayout(net)
+        out.append((name, layout.numel, layout.conv_group_P(), len(layout.conv_entries())))
+    return out
+
+
+# -- naive compositions: the obvious way, each step materialising its [K, P] temporary -------
+
+def naive_weights(stacks):
+    n = stacks["num_samples_K"]
+    return n / n.sum()
+
+
+def naive_fedavg(global_P, stacks, state, hp):
+    return (naive_weights(stacks)[:, None] * stacks["params_KP"]).sum(0)
+
+
+def naive_fedmom(global_P, stacks, state, hp):
+    delta = (naive_weights(stacks)[:, None] * (stacks["params_KP"] - global_P)).sum(0)
+    velocity = hp.server_momentum * state["velocity_P"] + delta
+    return global_P + velocity
+
+
+def naive_fedcong(global_P, stacks, state, hp):
+    W = stacks["params_KP"]
+    K = W.shape[0]
+    u = W - global_P
+    pos, neg = u > 0, u < 0
+    num_pos, num_neg = pos.sum(0), neg.sum(0)
+    need = max(1, math.ceil(hp.cong_alpha * K - 1e-9))
+    take_pos = (num_pos >= need) & ((num_neg < need) | (num_pos >= num_neg))
+    take_neg = (num_neg >= need) & ~take_pos
+    member = torch.where(take_pos, pos, torch.where(take_neg, neg, torch.ones_like(pos)))
+    wts = naive_weights(stacks)[:, None] * member
+    return (wts * W).sum(0) / wts.sum(0)
+
+
+def naive_fedgma(global_P, stacks, state, hp):
+    W, G = stacks["params_KP"], stacks["last_grad_KP"]
+    p = naive_weights(stacks)[:, None]
+    agree = torch.sign(G).sum(0).abs()
+    mask = (agree >= hp.gma_threshold * W.shape[0]).float()
+    grad = (p * G * mask).sum(0)
+    return (p * W).sum(0) - hp.server_lr * grad
+
+
+def naive_cgw(global_P, stacks, state, hp):
+    W, D = stacks["params_KP"], stacks["full_grad_KP"]
+    gram = D @ D.T
+    sq = gram.diagonal()
+    norm = sq.sqrt()
+    m = gram.sum(1)
+    c = (hp.cgw_alpha * stacks["full_loss_K"] / norm).min()
+    x = c / (m / norm).pow(2).sum().sqrt() * m / sq
+    return (naive_weights(stacks)[:, None] * W).sum(0) - (x[:, None] * D).sum(0)
+
+
+def naive_feder(global_P, stacks, state, hp):
+    W = stacks["params_KP"]
+    er = stacks["eff_rank_KL"].clamp(min=1e-3)
+    alpha = er / er.sum(0)
+    table = torch.cat([torch.full((W.shape[0], 1), 1.0 / W.shape[0], device=W.device), alpha], 1)
+    return (table[:, stacks["conv_group_P"] + 1] * W).sum(0)
+
+
+# rule -> (naive fn, [K, P] stacks read, [K, P]-sized float temporaries of the naive version)
+RULES = {
+    "fedavg": (naive_fedavg, 1, 1),
+    "fedmom": (naive_fedmom, 1, 2),
+    "fedcong": (naive_fedcong, 1, 5),
+    "feder": (naive_feder, 1, 2),
+    "fedgma": (naive_fedgma, 2, 4),
+    "cgw": (naive_cgw, 2, 2),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="K = 4 and 32 only")
+    parser.add_argument("--rules", default=",".join(RULES), help="comma-separated subset")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (the runtime pins run.num_threads, default 1)")
+    parser.add_argument("--clock", choices=tuple(CLOCK), default=None,
+                        help="wall: elapsed time; cpu: this process's CPU time (user + sys), which "
+                             "does not count time the OS gave to other jobs. Default: cpu for one "
+                             "CPU thread, wall otherwise")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    global clock
+    clock_name = args.clock or ("cpu" if args.device == "cpu" and args.threads == 1 else "wall")
+    clock = CLOCK[clock_name]
+    device = torch.device(args.device)
+    rules = [r for r in args.rules.split(",") if r]
+    counts = (4, 32) if args.quick else (4, 32, 100)
+    start = time.perf_counter()
+
+    bandwidth = copy_bandwidth(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"cpu, {torch.get_num_threads()} threads"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"device: {name}; torch {torch.__version__}; clock: {clock_name}; "
+          f"load average at start {load:.1f}")
+    print(f"copy bandwidth (512 MiB tensor copy, read + write bytes): {bandwidth / 1e9:.1f} GB/s\n")
+    print("| rule | K | P | stacks | ms/call | GB/s | ratio | naive ms | naive ratio | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    for model_name, num_params, group_P, num_layers in model_layouts():
+        for num_clients in counts:
+            global_P = torch.randn(num_params, device=device, generator=gen)
+            params_KP = torch.randn(num_clients, num_params, device=device, generator=gen)
+            params_KP.mul_(0.01).add_(global_P)
+            stacks = {
+                "params_KP": params_KP,
+                "num_samples_K": torch.randint(10, 100, (num_clients,), device=device, generator=gen).float(),
+                "train_loss_K": torch.rand(num_clients, device=device, generator=gen),
+                "full_loss_K": 0.5 + torch.rand(num_clients, device=device, generator=gen),
+                "eff_rank_KL": 3 * torch.rand(num_clients, num_layers, device=device, generator=gen),
+                "conv_group_P": group_P.to(device),
+            }
+            for rule in rules:
+                naive_fn, num_stacks, num_temps = RULES[rule]
+                if num_stacks == 2 and "last_grad_KP" not in stacks:
+                    grads_KP = torch.randn(num_clients, num_params, device=device, generator=gen)
+                    stacks["last_grad_KP"] = stacks["full_grad_KP"] = grads_KP
+                strategy = strategies.get(rule)
+                state = strategy.init_state(global_P, HP)
+                if "velocity_P" in state:
+                    state["velocity_P"].normal_(generator=gen)
+                fused_s = timed(lambda: strategy.aggregate(global_P, stacks, state, HP), device)
+                read_bytes = num_stacks * num_clients * num_params * 4
+                fused_rate = read_bytes / fused_s
+                if num_temps * num_clients * num_params * 4 <= NAIVE_BUDGET:
+                    naive_s = timed(lambda: naive_fn(global_P, stacks, state, HP), device)
+                    naive = (f"{naive_s * 1e3:.1f} | {read_bytes / naive_s / bandwidth:.2f} | "
+                             f"{naive_s / fused_s:.1f}x")
+                else:
+                    naive = "skipped (memory) | - | -"
+                print(f"| {rule} | {num_clients} | {num_params:,} | {num_stacks} | {fused_s * 1e3:.1f} | "
+                      f"{fused_rate / 1e9:.1f} | {fused_rate / bandwidth:.2f} | {naive} |", flush=True)
+            del stacks, params_KP
+    print(f"\ntotal bench time: {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

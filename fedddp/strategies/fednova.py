@@ -1,0 +1,39 @@
+"""FedNova (Wang et al. 2020): normalised averaging by each client's number of local steps.
+
+  a_k = [tau_k - rho (1 - rho^tau_k) / (1 - rho)] / (1 - rho)      (= tau_k when rho = 0)
+  d_k = (w - w_k) / a_k
+  w  <- w - (sum_k p_k a_k) sum_k p_k d_k
+
+tau_k is the client's reported step count (``num_steps_K``); rho is the client SGD momentum
+(train.momentum), passed by the round loop in ``stacks`` as the static scalar
+``client_momentum`` (float32 0-d tensor). a_k is the momentum-SGD one of the FedNova paper:
+config validation refuses optimizers and local rules it does not describe (Adam, FedProx's
+proximal solver). With equal tau_k and rho = 0 this is FedAvg (up to float rounding).
+Legend: K sampled clients, P flat parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import Strategy, client_weights_K, register
+
+
+def normalisers_K(num_steps_K: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """a_k for momentum-SGD local solvers."""
+    tau_K = num_steps_K.to(torch.float64)
+    rho = rho.to(torch.float64)
+    return (tau_K - rho * (1 - rho ** tau_K) / (1 - rho)) / (1 - rho)
+
+
+def aggregate(global_P, stacks, state, hp):
+    weights_K = client_weights_K(stacks, hp).to(torch.float64)
+    a_K = normalisers_K(stacks["num_steps_K"], stacks["client_momentum"])
+    tau_eff = (weights_K * a_K).sum()
+    coef_K = (tau_eff * weights_K / a_K).to(global_P.dtype)
+    new_global_P = global_P - coef_K @ (global_P - stacks["params_KP"])
+    return new_global_P, state, {"tau_eff": tau_eff.float()}
+
+
+FEDNOVA = register(Strategy("fednova", aggregate, needs=frozenset({"num_steps_K", "client_momentum"}),
+                            doc=__doc__))

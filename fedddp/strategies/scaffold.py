@@ -1,0 +1,48 @@
+"""SCAFFOLD's server rule (Karimireddy et al. 2020) and FedGAM-CV's (seed 002, Alg. 2, eq. 22).
+
+  w <- w + eta_g sum_k p_k (w_k - w)          (eta_g = hp.server_lr; p_k by hp.weighting)
+  c <- c + (1/N) sum_{k in S} (c_k+ - c_k)    SCAFFOLD: N = data.num_clients
+  c <- c + (1/K) sum_{k in S} (c_k+ - c_k)    FedGAM-CV eq. 22: K = sampled clients
+
+The client side (c - c_k in every step, c_k+ = c_k - c + (w - w_k) / (tau lr)) is the
+``scaffold`` / ``gam_cv`` local rule; it reports c_k+ - c_k as ``control_delta_KP``. The server
+control c (``control_P``, zero at first) is client-visible: broadcast with the model every round.
+
+N is not a hyperparameter of the algorithm section: the round loop passes it in ``stacks`` as
+the static scalar ``num_clients`` (float32 0-d tensor), as it does ``conv_group_P``.
+The new model is ``lerp(w, mean_k w_k, eta_g)``, which is the same formula and returns the
+weighted mean bit for bit when eta_g = 1, so round 1 (c = c_k = 0) equals FedAvg exactly.
+The SCAFFOLD and FedGAM-CV papers average uniformly (hp.weighting = "uniform").
+Legend: K sampled clients, P flat parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import Strategy, client_weights_K, register, weighted_mean_P
+
+
+def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:
+    return {"control_P": torch.zeros_like(global_P)}
+
+
+def _aggregate(global_P, stacks, state, hp, divisor):
+    mean_P = weighted_mean_P(client_weights_K(stacks, hp), stacks["params_KP"])
+    new_global_P = torch.lerp(global_P, mean_P, float(hp.server_lr))
+    control_P = state["control_P"] + stacks["control_delta_KP"].sum(0) / divisor
+    return new_global_P, {"control_P": control_P}, {"control_norm": torch.linalg.vector_norm(control_P)}
+
+
+def aggregate(global_P, stacks, state, hp):
+    return _aggregate(global_P, stacks, state, hp, stacks["num_clients"].to(global_P.dtype))
+
+
+def aggregate_sampled(global_P, stacks, state, hp):
+    return _aggregate(global_P, stacks, state, hp, stacks["control_delta_KP"].shape[0])
+
+
+SCAFFOLD = register(Strategy("scaffold", aggregate, needs=frozenset({"control_delta_KP", "num_clients"}),
+                             init_state=init_state, client_visible=("control_P",), doc=__doc__))
+FEDGAM_CV = register(Strategy("fedgam_cv", aggregate_sampled, needs=frozenset({"control_delta_KP"}),
+                              init_state=init_state, client_visible=("control_P",), doc=__doc__))

@@ -1,0 +1,298 @@
+"""The launchers, run for real on this machine: submitit's LocalExecutor (one task per rank,
+requeue on preemption), the sbatch templates with a stand-in for srun, and the rank/master
+resolution of a multi-node Slurm layout."""
+
+import importlib.util
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import submitit
+import torch
+
+from fedddp import env
+from fedddp.sampling import layout_rows, owned_clients, owner, sample_clients
+from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, metrics, run_fedddp
+from test_restarts import SLOW, descendants, environ_of, slow_reference, wait_for_rounds  # noqa: F401
+
+
+def _load_submit():
+    path = os.path.join(REPO, "launch", "submit.py")
+    spec = importlib.util.spec_from_file_location("fedddp_launch_submit", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+submit = _load_submit()
+
+ARGS = ["run.rounds=4", "run.clients_per_round=7", "run.eval_every=2", "run.ckpt_every=2",
+        "run.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted one-process run that every launcher must reproduce bitwise."""
+    out = tmp_path_factory.mktemp("reference")
+    run_fedddp(ARGS + [f"run.out_dir={out}"])
+    return out
+
+
+@pytest.fixture
+def local_job_env(monkeypatch):
+    # The LocalExecutor copies this process's environment into its tasks.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+
+
+def wait_job(job, timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while not job.done():
+        if time.monotonic() > deadline:
+            job.cancel()
+            raise AssertionError(f"job {job.job_id} still running after {timeout} s:\n{job.stderr()}")
+        time.sleep(0.5)
+    return job.results()
+
+
+def local_submit(tmp_path, run_args, tasks=2):
+    job, _ = submit.submit([QUICKSTART, *run_args, "--local", "--gpus-per-node", "0",
+                            "--tasks-per-node", str(tasks), "--time", "10",
+                            "--output", str(tmp_path / "submitit" / "%j")])
+    return job
+
+
+# -- submitit ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_submitit_local_executor_runs_one_rank_per_task(tmp_path, reference, local_job_env):
+    out = tmp_path / "out"
+    job = local_submit(tmp_path, ARGS + [f"run.out_dir={out}"])
+    assert wait_job(job) == [0, 0]
+    assert [m["round"] for m in metrics(out)] == [1, 2, 3, 4]
+    # Two ranks really ran: each wrote the client-state shard of the clients it owns.
+    shards = sorted(os.listdir(out / "checkpoints" / "round_000004"))
+    assert shards == ["clients_rank0.pt", "clients_rank1.pt", "server.pt"]
+    assert_same_state(final_state(reference), final_state(out))
+
+
+def test_checkpoint_hook_resubmits_the_same_run_resuming():
+    task = submit.Trainer(["exp.toml", "run.rounds=3", "run.resume=false"])
+    assert isinstance(task, submitit.helpers.Checkpointable)
+    again = task.checkpoint()
+    assert isinstance(again, submitit.helpers.DelayedSubmission)
+    assert again.function.argv == ["exp.toml", "run.rounds=3", "run.resume=true"]
+    assert again.function.checkpoint().function.argv == again.function.argv  # idempotent
+    # submitit pickles the resubmission into the job folder; the task must survive that.
+    import cloudpickle
+    assert cloudpickle.loads(cloudpickle.dumps(again)).function.argv == again.function.argv
+
+
+def test_preempted_task_resumes_exactly_through_its_checkpoint_hook(tmp_path, reference):
+    """The requeue path without a scheduler: a task stopped after round 3 (its last checkpoint),
+    then the DelayedSubmission its checkpoint() returns, as submitit would requeue it."""
+    out = tmp_path / "out"
+    task = submit.Trainer([QUICKSTART, *ARGS, f"run.out_dir={out}", "run.stop_after=3"])
+    assert task() == 0
+    first = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(first) == 3 and not (out / "final.pt").exists()
+    assert task.checkpoint().result() == 0
+    assert (out / "metrics.jsonl").read_text().splitlines()[:3] == first  # resumed, not redone
+    assert [m["round"] for m in metrics(out)] == [1, 2, 3, 4]
+    assert_same_state(final_state(reference), final_state(out))
+
+
+@pytest.mark.slow
+def test_submitit_requeue_on_preemption_signal_resumes_exactly(tmp_path, local_job_env, slow_reference):
+    """The real path: the scheduler signals every task (USR2, as Slurm does before preemption
+    or the time limit); submitit calls checkpoint() on rank 0 and requeues; the requeued tasks
+    resume from the last checkpoint."""
+    ref, out = slow_reference, tmp_path / "out"
+    job = local_submit(tmp_path, SLOW + ["run.progress=false", f"run.out_dir={out}"])
+    controller = job._process
+    wait_for_rounds(out, 3, controller, log=None)
+    saved = int((out / "checkpoints" / "LATEST").read_text().split("_")[1])
+    kept = (out / "metrics.jsonl").read_text().splitlines()[:saved]
+    tasks = [p for p in descendants(controller.pid) if "SUBMITIT_LOCAL_GLOBALID" in environ_of(p)]
+    assert len(tasks) == 2 and not (out / "final.pt").exists()
+    for pid in tasks:
+        os.kill(pid, signal.SIGUSR2)
+    assert wait_job(job) == [0, 0]
+    assert "Requeued job" in job.stdout()
+    resubmitted = submitit.helpers.DelayedSubmission.load(job.paths.submitted_pickle)
+    assert resubmitted.function.argv[-1] == "run.resume=true"
+    assert (out / "metrics.jsonl").read_text().splitlines()[:saved] == kept
+    assert [m["round"] for m in metrics(out)] == list(range(1, 11))
+    assert_same_state(final_state(ref), final_state(out))
+
+
+def test_submit_rejects_a_bad_config_before_queueing(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    status = submit.main([QUICKSTART, "run.rounds=0", "--local", "--output", str(logs / "%j")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "run.rounds" in err[0]
+    assert not logs.exists()
+
+
+def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
+    assert submit.main([QUICKSTART, "--output", str(tmp_path / "logs" / "%j")]) == 2
+    assert "sbatch not found" in capsys.readouterr().err and not (tmp_path / "logs").exists()
+
+
+def test_launcher_flags_stay_out_of_the_experiment_config():
+    args = submit.parse_args([QUICKSTART, "run.rounds=3", "--nodes", "2", "--gpus-per-node", "4",
+                              "--partition", "p", "--account", "a", "--time", "1-02:30:00"])
+    assert args.overrides == ["run.rounds=3"]
+    assert submit.minutes(args.time) == (24 + 2) * 60 + 30
+    assert [submit.minutes(t) for t in ("90", "1:30:00", "0:0:30")] == [90, 90, 1]
+
+
+# -- who am I on a multi-node job ----------------------------------------------------------------
+
+def slurm_task(procid: int, nodes: int, per_node: int) -> dict:
+    return {"SLURM_PROCID": str(procid), "SLURM_NTASKS": str(nodes * per_node),
+            "SLURM_LOCALID": str(procid % per_node), "SLURM_NODEID": str(procid // per_node),
+            "SLURM_JOB_NUM_NODES": str(nodes), "SLURM_JOB_NODELIST": "gpu[03-04]" if nodes > 1 else "gpu03",
+            "SLURM_JOB_ID": "4242"}
+
+
+def test_two_node_slurm_layout_resolves_rank_world_and_master():
+    resolved = [env.resolve(slurm_task(p, nodes=2, per_node=4)) for p in range(8)]
+    assert [(p.rank, p.world_size, p.local_rank) for p in resolved] == [(r, 8, r % 4) for r in range(8)]
+    assert {(p.master_addr, p.master_port, p.source) for p in resolved} == {("gpu03", 24242, "slurm")}
+
+
+def test_submitit_task_exports_the_same_rendezvous_as_slurm(monkeypatch):
+    for procid in range(8):
+        for key, value in slurm_task(procid, nodes=2, per_node=4).items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+        monkeypatch.delenv("MASTER_PORT", raising=False)
+        exported = submit.rendezvous_env(submitit.JobEnvironment(), {})
+        via_torchrun_vars = env.resolve(exported)
+        assert (via_torchrun_vars.rank, via_torchrun_vars.world_size, via_torchrun_vars.local_rank) == \
+            (procid, 8, procid % 4)
+        assert (via_torchrun_vars.master_addr, via_torchrun_vars.master_port) == ("gpu03", 24242)
+    # One node (and submitit's LocalExecutor, which sets no SLURM_* at all): loopback.
+    local = SimpleNamespace(hostnames=["vm"], num_nodes=1, raw_job_id="123", global_rank=1,
+                            num_tasks=2, local_rank=1)
+    assert submit.rendezvous_env(local, {}) == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "20123"}
+
+
+@pytest.mark.parametrize("nodes,per_node", [(1, 8), (2, 4), (4, 2)])
+def test_client_ownership_and_report_order_ignore_node_layout(nodes, per_node):
+    """The same 8 ranks on 1, 2 or 4 nodes own the same clients and gather reports in the
+    same order: both depend on the global rank and world size only."""
+    num_clients, world = 30, 8
+    ranks = [env.resolve(slurm_task(p, nodes, per_node)).rank for p in range(world)]
+    owned = {r: owned_clients(num_clients, r, world) for r in ranks}
+    assert owned == {r: list(range(r, num_clients, world)) for r in range(world)}
+    assert sorted(c for cs in owned.values() for c in cs) == list(range(num_clients))
+    sampled = sample_clients(num_clients, 10, seed=0, round_idx=1)
+    assert all(owner(c, world) in ranks for c in sampled)
+    assert layout_rows(sampled, world) == layout_rows(sampled, nodes * per_node)
+
+
+# -- sbatch templates, with srun and scontrol stand-ins -----------------------------------------
+
+SRUN = '''#!{python}
+"""srun stand-in: --ntasks copies of the command on this machine, with the SLURM_* variables
+srun gives each task; waits for all and returns the worst exit status."""
+import os, subprocess, sys
+args, opts = sys.argv[1:], {{}}
+while args and args[0].startswith("-"):
+    key, _, value = args.pop(0).partition("=")
+    opts[key] = value
+with open(os.environ["SRUN_LOG"], "a") as fh:
+    fh.write(" ".join(sys.argv[1:]) + "\\n")
+ntasks = int(opts.get("--ntasks", os.environ.get("SLURM_NTASKS", "1")))
+per_node = int(opts.get("--ntasks-per-node", ntasks))
+procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(i), SLURM_LOCALID=str(i % per_node),
+                                          SLURM_NODEID=str(i // per_node), SLURM_NTASKS=str(ntasks),
+                                          SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_STEPID="0"))
+         for i in range(ntasks)]
+codes = [p.wait() for p in procs]
+sys.exit(max(c if c >= 0 else 128 - c for c in codes))
+'''
+
+SCONTROL = '''#!/bin/bash
+[[ "$1 $2" == "show hostnames" ]] && tr ',' '\\n' <<< "$3"
+'''
+
+
+@pytest.fixture
+def slurm_job(tmp_path):
+    """Run an sbatch template the way sbatch would (bash, job variables set), with srun and
+    scontrol stood in for on PATH."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    for name, text in (("srun", SRUN.format(python=sys.executable)), ("scontrol", SCONTROL)):
+        (stubs / name).write_text(text)
+        (stubs / name).chmod((stubs / name).stat().st_mode | stat.S_IEXEC)
+    srun_log = tmp_path / "srun.log"
+
+    def sbatch(template, args, nodes, gpus_per_node, **extra):
+        job_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        job_env.update(PATH=f"{stubs}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+                       SLURM_JOB_ID="4242", SLURM_NNODES=str(nodes), SLURM_JOB_NUM_NODES=str(nodes),
+                       SLURM_JOB_NODELIST="localhost", SLURM_SUBMIT_DIR=REPO,
+                       GPUS_PER_NODE=str(gpus_per_node), MASTER_PORT=str(free_port()),
+                       OMP_NUM_THREADS="1", SRUN_LOG=str(srun_log), **extra)
+        proc = subprocess.run(["bash", os.path.join(REPO, "slurm", template), *args], env=job_env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc, srun_log.read_text().splitlines()[-1]
+
+    return sbatch
+
+
+@pytest.mark.slow
+def test_thesis_template_one_node_one_rank_per_gpu(tmp_path, reference, slurm_job):
+    out = tmp_path / "out"
+    _, srun_line = slurm_job("thesis_4gpu.sbatch", [QUICKSTART, *ARGS, "run.device=cpu", f"run.out_dir={out}"],
+                             nodes=1, gpus_per_node=2)
+    assert "--ntasks=1 " in srun_line and "--nnodes=1 --nproc_per_node=2" in srun_line
+    assert_same_state(final_state(reference), final_state(out))
+    assert sorted(os.listdir(out / "checkpoints" / "round_000004"))[:2] == ["clients_rank0.pt", "clients_rank1.pt"]
+
+
+@pytest.mark.slow
+def test_multinode_template_two_nodes_and_requeue(tmp_path, reference, slurm_job):
+    """Two nodes (one torchrun each, one rank per node, c10d rendezvous on the first node);
+    stopped after round 2, then requeued by Slurm (SLURM_RESTART_COUNT=1): the template adds
+    run.resume=true and the run ends as if never stopped."""
+    out = tmp_path / "out"
+    args = [QUICKSTART, *ARGS, "run.device=cpu", f"run.out_dir={out}"]
+    _, srun_line = slurm_job("multinode.sbatch", args + ["run.stop_after=2"], nodes=2, gpus_per_node=1)
+    assert "--ntasks=2 --ntasks-per-node=1" in srun_line and "--nnodes=2 --nproc_per_node=1" in srun_line
+    assert "--rdzv-backend=c10d --rdzv-endpoint=localhost:" in srun_line
+    first = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(first) == 2
+    _, srun_line = slurm_job("multinode.sbatch", args, nodes=2, gpus_per_node=1, SLURM_RESTART_COUNT="1")
+    assert srun_line.endswith("run.resume=true")
+    assert (out / "metrics.jsonl").read_text().splitlines()[:2] == first
+    assert [m["round"] for m in metrics(out)] == [1, 2, 3, 4]
+    assert_same_state(final_state(reference), final_state(out))
+
+
+# -- the torchrun wrapper ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_local_wrapper_starts_two_ranks_without_gpus(tmp_path, reference):
+    assert torch.cuda.device_count() == 0 or pytest.skip("this machine has GPUs")
+    out = tmp_path / "out"
+    job_env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "MAX_RESTARTS")}
+    proc = subprocess.run(["bash", os.path.join(REPO, "launch", "local.sh"), QUICKSTART, *ARGS,
+                           f"run.out_dir={out}"], capture_output=True, text=True, timeout=240, cwd=REPO,
+                          env=dict(job_env, OMP_NUM_THREADS="1", PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(os.listdir(out / "checkpoints" / "round_000004"))[:2] == ["clients_rank0.pt", "clients_rank1.pt"]
+    assert_same_state(final_state(reference), final_state(out))

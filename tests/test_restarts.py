@@ -1,0 +1,210 @@
+"""Restarts without a human: torchrun --max-restarts after a rank is killed, workers that know
+they were restarted, and checkpoints that survive a save killed half-way."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fedddp import checkpoint, env
+from fedddp.__main__ import main as fedddp_main
+from fedddp.comm import Comm
+from fedrun import QUICKSTART, REPO, assert_same_state, final_state, metrics, run_fedddp
+
+# Slow enough rounds (an MLP, 2 local epochs, 10 clients) that a rank can be killed mid-run.
+SLOW = ["model.name=mlp", "model.hidden=128", "train.local_epochs=2", "run.rounds=10",
+        "run.clients_per_round=10", "run.eval_every=5", "run.ckpt_every=2"]
+
+
+@pytest.fixture(scope="session")
+def slow_reference(tmp_path_factory):
+    """SLOW run uninterrupted, on one process (any world size gives the bitwise-same model)."""
+    out = tmp_path_factory.mktemp("slow_reference")
+    run_fedddp(SLOW + [f"run.out_dir={out}"])
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc, no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            items = fh.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def rank_pid(root_pid: int, rank: int, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in descendants(root_pid):
+            if environ_of(pid).get("RANK") == str(rank):
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no process with RANK={rank} under {root_pid}")
+
+
+def wait_for_rounds(out, count: int, proc: subprocess.Popen, log, timeout: float = 120) -> None:
+    path = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            text = "" if log is None else (log.seek(0), log.read()[-4000:])[1]
+            raise AssertionError(f"the run ended (status {proc.returncode}) before round {count}:\n{text}")
+        if os.path.exists(path):
+            with open(path) as fh:
+                if sum(1 for line in fh if line.strip()) >= count:
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"round {count} not reached in {timeout} s")
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_rank_under_torchrun_max_restarts_resumes_exactly(tmp_path, slow_reference):
+    """launch/local.sh runs torchrun --max-restarts; a rank killed mid-run brings the group back
+    from the last checkpoint, and the run ends as if nothing had happened."""
+    ref, out = slow_reference, tmp_path / "killed"
+    cmd = ["bash", os.path.join(REPO, "launch", "local.sh"), QUICKSTART, "run.progress=false", *SLOW,
+           f"run.out_dir={out}"]
+    log = open(tmp_path / "torchrun.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", MAX_RESTARTS="1",
+                                     PYTHON=sys.executable))
+    try:
+        wait_for_rounds(out, 3, proc, log)  # a checkpoint exists; the rounds after it are redone
+        victim = rank_pid(proc.pid, rank=1)
+        saved = int((out / "checkpoints" / "LATEST").read_text().split("_")[1])
+        kept = (out / "metrics.jsonl").read_text().splitlines()[:saved]
+        assert not (out / "final.pt").exists()
+        os.kill(victim, signal.SIGKILL)
+        status = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    text = log.read()
+    assert status == 0, text[-4000:]
+    assert "restarted by torchrun: resuming from the last checkpoint" in text, text[-4000:]
+    # Resumed, not started over: the rounds up to the checkpoint keep their first lines.
+    assert (out / "metrics.jsonl").read_text().splitlines()[:saved] == kept
+    assert_same_state(final_state(ref), final_state(out))
+    assert [m["round"] for m in metrics(out)] == list(range(1, 11))
+    assert [m["test_accuracy"] for m in metrics(out)] == [m["test_accuracy"] for m in metrics(ref)]
+
+
+ARGS = [QUICKSTART, "run.rounds=6", "run.clients_per_round=7", "run.eval_every=2", "run.ckpt_every=2",
+        "run.progress=false"]
+
+
+def test_restarted_worker_resumes_without_being_told(tmp_path, monkeypatch, capsys):
+    """torchrun restarts workers with the same command line; TORCHELASTIC_RESTART_COUNT > 0 is
+    what tells them to continue instead of starting over."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert fedddp_main(ARGS + [f"run.out_dir={full}"]) == 0
+    assert fedddp_main(ARGS + [f"run.out_dir={part}", "run.stop_after=3"]) == 0
+    first_lines = (part / "metrics.jsonl").read_text().splitlines()
+    capsys.readouterr()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert fedddp_main(ARGS + [f"run.out_dir={part}"]) == 0
+    assert "restarted by torchrun: resuming" in capsys.readouterr().err
+    # Rounds 1-3 were not run again: their lines (timings included) are the first run's.
+    assert (part / "metrics.jsonl").read_text().splitlines()[:3] == first_lines
+    assert [m["round"] for m in metrics(part)] == list(range(1, 7))
+    assert_same_state(final_state(full), final_state(part))
+
+
+def test_fresh_run_drops_an_older_runs_latest(tmp_path):
+    """A fresh run in a used out_dir must not be resumable from the older run's checkpoint: a
+    torchrun restart before the fresh run's first checkpoint would continue the wrong run."""
+    out = tmp_path / "o"
+    assert fedddp_main([QUICKSTART, "run.rounds=2", "run.ckpt_every=2", "run.progress=false",
+                        f"run.out_dir={out}"]) == 0
+    assert (out / "checkpoints" / "LATEST").read_text() == "round_000002"
+    assert fedddp_main([QUICKSTART, "run.rounds=1", "run.ckpt_every=0", "run.progress=false",
+                        f"run.out_dir={out}"]) == 0
+    assert not (out / "checkpoints" / "LATEST").exists()
+    assert (out / "checkpoints" / "round_000002").is_dir()  # data are not deleted
+
+
+def _payload(round_idx: int) -> dict:
+    return {"round": round_idx, "global_P": torch.full((1000,), float(round_idx)), "state": {}}
+
+
+def test_checkpoint_killed_mid_save_leaves_previous_intact(tmp_path, monkeypatch):
+    comm = Comm(env.resolve({}), "cpu")
+    root = str(tmp_path / "checkpoints")
+    clients = {3: {"c_P": torch.arange(10.0)}}
+    checkpoint.save(comm, root, 1, _payload(1), clients)
+
+    real_save = torch.save
+    calls = []
+
+    def dying_save(obj, fh, *args, **kwargs):
+        # The second file of the checkpoint (server.pt) gets half its bytes, then the process
+        # "dies" (an exception stands in for the kill: nothing after it runs).
+        calls.append(1)
+        if len(calls) == 2:
+            fh.write(b"PK\x03\x04 half a zip archive")
+            fh.flush()
+            raise RuntimeError("killed mid-save")
+        return real_save(obj, fh, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(RuntimeError, match="killed mid-save"):
+        checkpoint.save(comm, root, 2, _payload(2), clients)
+    monkeypatch.setattr(torch, "save", real_save)
+
+    assert len(calls) == 2
+    assert open(os.path.join(root, "LATEST")).read() == "round_000001"
+    folder = checkpoint.latest(root)
+    server, loaded = checkpoint.load(folder, {3}, "cpu")
+    assert server["round"] == 1 and torch.equal(server["global_P"], _payload(1)["global_P"])
+    assert torch.equal(loaded[3]["c_P"], clients[3]["c_P"])
+    # The half-written file never took the real name.
+    assert not os.path.exists(os.path.join(checkpoint.round_dir(root, 2), "server.pt"))
+
+    # Saving again after the failure works, and older folders are pruned to `keep`.
+    checkpoint.save(comm, root, 2, _payload(2), clients)
+    checkpoint.save(comm, root, 3, _payload(3), clients)
+    assert checkpoint.latest(root) == checkpoint.round_dir(root, 3)
+    assert not os.path.exists(checkpoint.round_dir(root, 1))
+
+
+def test_leftover_newer_folders_do_not_prune_the_new_checkpoint(tmp_path):
+    """Regression: pruning kept the `keep` highest round folders, so leftovers of an older run
+    (round_000009, round_000010) deleted the checkpoint just written and LATEST dangled."""
+    comm = Comm(env.resolve({}), "cpu")
+    root = str(tmp_path / "checkpoints")
+    for stale in (9, 10):
+        os.makedirs(checkpoint.round_dir(root, stale))
+    for r in (1, 2, 3):
+        checkpoint.save(comm, root, r, _payload(r), {})
+        assert checkpoint.latest(root) == checkpoint.round_dir(root, r)
+    server, _ = checkpoint.load(checkpoint.latest(root), set(), "cpu")
+    assert server["round"] == 3
+    assert os.path.isdir(checkpoint.round_dir(root, 2)) and not os.path.isdir(checkpoint.round_dir(root, 1))
+
