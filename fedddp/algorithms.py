@@ -51,7 +51,7 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                       f"{', '.join(missing)}, which {server} does not keep or update; choose an algorithm.name "
                       f"whose server rule does ({', '.join(n for n, (_, s) in ALGORITHMS.items() if s in keepers)})")
     produced = {k for r in rules.RULES.values() for k in r.reports}
-    unmet = sorted(k for k in strategy.needs if k in produced and k not in rule.reports)
+    unmet = sorted(k for k in strategy.needs_for(cfg.algorithm) if k in produced and k not in rule.reports)
     if unmet:
         writers = [n for n, r in rules.RULES.items() if set(unmet) <= set(r.reports)]
         errors.append(f"algorithm.local: {pair}: {server} needs {', '.join(unmet)} from its clients, which "

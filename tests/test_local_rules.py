@@ -357,11 +357,13 @@ def test_fedsmoo_server_twin():
     for j in range(P):
         w = float(global_P[j])
         is_param = bool(stacks["param_mask_P"][j])
-        H = float(state["drift_sum_P"][j]) + (sum(float(stacks["params_KP"][k, j]) - w for k in range(K)) if is_param else 0.0)
+        drift = sum(float(stacks["params_KP"][k, j]) - w for k in range(K)) if is_param else 0.0
+        H = float(state["drift_sum_P"][j]) + drift
         expected = sum(p[k] * float(stacks["params_KP"][k, j]) for k in range(K)) + H / 17.0
         assert math.isclose(float(new_state["drift_sum_P"][j]), H, rel_tol=1e-5, abs_tol=1e-5)
         assert math.isclose(float(new_P[j]), expected, rel_tol=1e-5, abs_tol=1e-5)
-        assert math.isclose(float(new_state["perturb_P"][j]), 0.3 * mean_mu[j] / (norm + 1e-7), rel_tol=1e-5, abs_tol=1e-6)
+        s_j = 0.3 * mean_mu[j] / (norm + 1e-7)
+        assert math.isclose(float(new_state["perturb_P"][j]), s_j, rel_tol=1e-5, abs_tol=1e-6)
 
 
 # -- composition and configuration errors ------------------------------------------------------

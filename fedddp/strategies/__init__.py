@@ -15,9 +15,15 @@ gets), each a tensor whose name ends in its shape:
   full_loss_K      float32 [K]     full-batch mean loss at w_k, eval mode         (CGW)
   eff_rank_KL      float32 [K, L]  effective rank of each conv layer of w_k       (FedER)
   num_steps_K      float32 [K]     local optimizer steps taken                   (FedNova)
-  control_delta_KP float32 [K, P]  c_k+ - c_k                                    (SCAFFOLD)
-  conv_group_P     int64   [P]     conv layer each element follows, -1 before the first (FedER;
-                                   static, from the flat layout, not a client report)
+  control_delta_KP float32 [K, P]  c_k+ - c_k                          (SCAFFOLD, FedGAM-CV)
+  perturb_dual_KP  float32 [K, P]  the client's new perturbation dual               (FedSMOO)
+
+Static entries, fixed for the run and not client reports, added when a rule names them in needs:
+
+  conv_group_P     int64   [P]     conv layer each element follows, -1 before the first (FedER)
+  param_mask_P     bool    [P]     True for parameters, False for buffers          (FedSMOO)
+  num_clients      float32 []      N, all clients                       (SCAFFOLD, FedSMOO)
+  client_momentum  float32 []      the clients' SGD momentum rho                    (FedNova)
 
 ``state`` is a dict of tensors owned by rank 0 and checkpointed; ``init_state(global_P, hp)``
 makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``. ``diagnostics`` is a dict of
