@@ -219,7 +219,6 @@ def run(cfg: config.Config, comm) -> dict:
                          client_seed(rc.seed, round_idx, cid), out)
             out["train_time"] = time.perf_counter() - t_client
             report.pack_scalars(rows_MF[i], out)
-        t_train = time.perf_counter()
 
         # -- gather the reports, ordered by client id ---------------------------------------
         rows_KF = comm.all_gather_rows(rows_MF)

@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import torch
@@ -74,3 +75,63 @@ def make_mnist_like(root: str, num: int = 600, seed: int = 0, splits=("t10k",)) 
         images = np.clip(patterns[labels] * keep + rng.integers(0, 40, (num, 28, 28)), 0, 255)
         write_idx(os.path.join(raw, f"{split}-images-idx3-ubyte.gz"), images)
         write_idx(os.path.join(raw, f"{split}-labels-idx1-ubyte.gz"), labels)
+
+
+# Slow enough rounds (an MLP, 2 local epochs, 10 clients) that a rank can be killed mid-run.
+SLOW = ["model.name=mlp", "model.hidden=128", "train.local_epochs=2", "run.rounds=10",
+        "run.clients_per_round=10", "run.eval_every=5", "run.ckpt_every=2"]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc, no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            items = fh.read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def rank_pid(root_pid: int, rank: int, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in descendants(root_pid):
+            if environ_of(pid).get("RANK") == str(rank):
+                return pid
+        time.sleep(0.05)
+    raise AssertionError(f"no process with RANK={rank} under {root_pid}")
+
+
+def wait_for_rounds(out, count: int, proc: subprocess.Popen, log, timeout: float = 120) -> None:
+    path = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            text = "" if log is None else (log.seek(0), log.read()[-4000:])[1]
+            raise AssertionError(f"the run ended (status {proc.returncode}) before round {count}:\n{text}")
+        if os.path.exists(path):
+            with open(path) as fh:
+                if sum(1 for line in fh if line.strip()) >= count:
+                    return
+        time.sleep(0.05)
+    raise AssertionError(f"round {count} not reached in {timeout} s")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedddp import checkpoint, config
-from fedddp.client.state import MemoryStore, MmapStore, open_store
+from fedddp.client.state import MmapStore, open_store
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.round import run

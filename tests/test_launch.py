@@ -18,7 +18,7 @@ import torch
 from fedddp import env
 from fedddp.sampling import layout_rows, owned_clients, owner, sample_clients
 from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, metrics, run_fedddp
-from test_restarts import SLOW, descendants, environ_of, slow_reference, wait_for_rounds  # noqa: F401
+from fedrun import SLOW, descendants, environ_of, wait_for_rounds
 
 
 def _load_submit():

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -13,74 +12,8 @@ import torch
 from fedddp import checkpoint, env
 from fedddp.__main__ import main as fedddp_main
 from fedddp.comm import Comm
-from fedrun import QUICKSTART, REPO, assert_same_state, final_state, metrics, run_fedddp
+from fedrun import QUICKSTART, REPO, SLOW, assert_same_state, final_state, metrics, rank_pid, wait_for_rounds
 
-# Slow enough rounds (an MLP, 2 local epochs, 10 clients) that a rank can be killed mid-run.
-SLOW = ["model.name=mlp", "model.hidden=128", "train.local_epochs=2", "run.rounds=10",
-        "run.clients_per_round=10", "run.eval_every=5", "run.ckpt_every=2"]
-
-
-@pytest.fixture(scope="session")
-def slow_reference(tmp_path_factory):
-    """SLOW run uninterrupted, on one process (any world size gives the bitwise-same model)."""
-    out = tmp_path_factory.mktemp("slow_reference")
-    run_fedddp(SLOW + [f"run.out_dir={out}"])
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc, no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def environ_of(pid: int) -> dict[str, str]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            items = fh.read().split(b"\0")
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
-
-
-def rank_pid(root_pid: int, rank: int, timeout: float = 60) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for pid in descendants(root_pid):
-            if environ_of(pid).get("RANK") == str(rank):
-                return pid
-        time.sleep(0.05)
-    raise AssertionError(f"no process with RANK={rank} under {root_pid}")
-
-
-def wait_for_rounds(out, count: int, proc: subprocess.Popen, log, timeout: float = 120) -> None:
-    path = os.path.join(out, "metrics.jsonl")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            text = "" if log is None else (log.seek(0), log.read()[-4000:])[1]
-            raise AssertionError(f"the run ended (status {proc.returncode}) before round {count}:\n{text}")
-        if os.path.exists(path):
-            with open(path) as fh:
-                if sum(1 for line in fh if line.strip()) >= count:
-                    return
-        time.sleep(0.05)
-    raise AssertionError(f"round {count} not reached in {timeout} s")
 
 
 @pytest.mark.slow
