@@ -1,0 +1,46 @@
+"""Every server rule of the papers runs end to end, through ``python -m fedddp`` and through real
+``torchrun``, and gives the bitwise-same model with 1 and 2 ranks: on the quickstart, and on the
+seed-002 CNN with the real MNIST test split (skipped where that folder is absent)."""
+
+import os
+
+import pytest
+
+from fedrun import QUICKSTART, REPO, assert_same_state, final_state, metrics, run_fedddp
+
+REAL_MNIST = os.path.join(REPO, "..", "shared", "data")
+MNIST_CNN = os.path.join(REPO, "configs", "mnist_cnn.toml")
+DIAGNOSTIC = {"fedmom": "velocity_norm", "fedcong": "cong_positive", "fedgma": "mask_density",
+              "cgw": "cgw_x", "feder": "feder_alpha"}
+
+
+def check_invariant(tmp_path, name, config, extra):
+    single, double = tmp_path / "one", tmp_path / "two"
+    run_fedddp(extra + [f"algorithm.name={name}", f"run.out_dir={single}"], nproc=1, config=config)
+    run_fedddp(extra + [f"algorithm.name={name}", f"run.out_dir={double}"], nproc=2, config=config)
+    assert_same_state(final_state(single), final_state(double))
+    rows = metrics(single)
+    assert DIAGNOSTIC[name] in rows[-1], rows[-1].keys()
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fedmom", "fedcong", "fedgma", "cgw"])
+def test_rule_on_quickstart(tmp_path, name):
+    rows = check_invariant(tmp_path, name, QUICKSTART, ["run.rounds=3", "run.clients_per_round=7",
+                                                  "run.ckpt_every=0", "run.eval_every=3"])
+    assert rows[-1]["test_accuracy"] is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(REAL_MNIST, "MNIST", "raw", "t10k-images-idx3-ubyte.gz")),
+                    reason="the real MNIST test split is not in ../shared/data")
+@pytest.mark.parametrize("name", ["fedmom", "fedcong", "fedgma", "cgw", "feder"])
+def test_rule_on_real_mnist_cnn(tmp_path, name):
+    rows = check_invariant(tmp_path, name, MNIST_CNN, [
+        f"data.root={REAL_MNIST}", "run.rounds=2", "train.local_steps=3", "run.eval_every=2",
+        "run.ckpt_every=0"])
+    if name == "cgw":
+        assert len(rows[-1]["cgw_x"]) == 10
+    if name == "feder":
+        assert len(rows[-1]["feder_alpha"]) == 10 and len(rows[-1]["feder_alpha"][0]) == 2
