@@ -3,6 +3,7 @@
     python bench/aggregate.py               # cuda if available, else cpu; ~5 minutes on 1 core
     python bench/aggregate.py --quick       # K = 4 and 32 only
     python bench/aggregate.py --threads 2   # torch intra-op threads (default 1 = run.num_threads)
+    python bench/aggregate.py --rules fedcong,cgw --counts 4 --models resnet18-c100 --no-naive
 
 For each rule, K in {4, 32, 100} and P of seed 002's CNN (MNIST) and of ResNet-18 (CIFAR-100,
 buffers included, as fedddp flattens them), it prints one Markdown row:
@@ -168,6 +169,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="K = 4 and 32 only")
     parser.add_argument("--rules", default=",".join(RULES), help="comma-separated subset")
+    parser.add_argument("--counts", default=None,
+                        help="comma-separated client counts K (default 4,32,100; --quick: 4,32)")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated subset of cnn-mnist,resnet18-c100 (default both)")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive compositions")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (the runtime pins run.num_threads, default 1)")
     parser.add_argument("--clock", choices=tuple(CLOCK), default=None,
@@ -182,6 +188,9 @@ def main() -> None:
     device = torch.device(args.device)
     rules = [r for r in args.rules.split(",") if r]
     counts = (4, 32) if args.quick else (4, 32, 100)
+    if args.counts:
+        counts = tuple(int(k) for k in args.counts.split(","))
+    models = args.models.split(",") if args.models else None
     start = time.perf_counter()
 
     bandwidth = copy_bandwidth(device)
@@ -196,6 +205,8 @@ def main() -> None:
 
     gen = torch.Generator(device=device).manual_seed(0)
     for model_name, num_params, group_P, num_layers in model_layouts():
+        if models is not None and model_name not in models:
+            continue
         for num_clients in counts:
             global_P = torch.randn(num_params, device=device, generator=gen)
             params_KP = torch.randn(num_clients, num_params, device=device, generator=gen)
@@ -220,7 +231,9 @@ def main() -> None:
                 fused_s = timed(lambda: strategy.aggregate(global_P, stacks, state, HP), device)
                 read_bytes = num_stacks * num_clients * num_params * 4
                 fused_rate = read_bytes / fused_s
-                if num_temps * num_clients * num_params * 4 <= NAIVE_BUDGET:
+                if args.no_naive:
+                    naive = "- | - | -"
+                elif num_temps * num_clients * num_params * 4 <= NAIVE_BUDGET:
                     naive_s = timed(lambda: naive_fn(global_P, stacks, state, HP), device)
                     naive = (f"{naive_s * 1e3:.1f} | {read_bytes / naive_s / bandwidth:.2f} | "
                              f"{naive_s / fused_s:.1f}x")

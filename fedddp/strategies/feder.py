@@ -38,13 +38,15 @@ def aggregate(global_P, stacks, state, hp):
                             device=params_KP.device)
     table_KG = torch.cat([uniform_K1, alpha_KL.to(params_KP.device)], dim=1)  # G = L + 1
     # Runs of equal conv_group_P: at most one per tensor of the layout. Reading their bounds is
-    # the one host sync of this rule.
-    columns_R, lengths_R = torch.unique_consecutive(stacks["conv_group_P"] + 1, return_counts=True)
+    # the one host sync of this rule. The +1 (group -1 -> table column 0) is applied to the R
+    # run values, not to the int64 [P] vector: a fresh 8P-byte temporary cost more than the
+    # averaging itself at K = 4.
+    groups_R, lengths_R = torch.unique_consecutive(stacks["conv_group_P"], return_counts=True)
     new_global_P = torch.empty_like(global_P)
     start = 0
-    for column, length in zip(columns_R.tolist(), lengths_R.tolist()):
+    for group, length in zip(groups_R.tolist(), lengths_R.tolist()):
         cols = slice(start, start + length)
-        torch.mv(params_KP[:, cols].T, table_KG[:, column], out=new_global_P[cols])
+        torch.mv(params_KP[:, cols].T, table_KG[:, group + 1], out=new_global_P[cols])
         start += length
     return new_global_P, state, {"feder_alpha": alpha_KL}
 
