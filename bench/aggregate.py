@@ -30,7 +30,8 @@ import os
 import sys
 import time
 
-import torch
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as python -m fedddp sets it (see __main__)
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -198,7 +199,7 @@ def main() -> None:
         f"cpu, {torch.get_num_threads()} threads"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"device: {name}; torch {torch.__version__}; clock: {clock_name}; "
-          f"load average at start {load:.1f}")
+          f"load average at start {load:.1f}; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}")
     print(f"copy bandwidth (512 MiB tensor copy, read + write bytes): {bandwidth / 1e9:.1f} GB/s\n")
     print("| rule | K | P | stacks | ms/call | GB/s | ratio | naive ms | naive ratio | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|")

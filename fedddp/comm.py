@@ -16,10 +16,6 @@ import torch.distributed as dist
 from .env import ProcessEnv
 
 
-# Renamed in recent torch releases; the old name still works but warns.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class Comm:
     def __init__(self, env: ProcessEnv, device: str):
         self.env = env
@@ -43,14 +39,19 @@ class Comm:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def all_gather_rows(self, rows_MX: torch.Tensor) -> torch.Tensor:
-        """[M, X] on every rank -> [world_size * M, X], rank r's rows at r*M .. r*M+M-1."""
+    def gather_rows(self, rows_MX: torch.Tensor, out_RMX: torch.Tensor | None) -> torch.Tensor | None:
+        """[M, X] on every rank -> [world_size * M, X] on rank 0 (rank r's rows at r*M .. r*M+M-1),
+        written into ``out_RMX`` (rank 0 only; None elsewhere). A gather, not an all-gather: rank 0
+        is the only consumer, and over gloo an all-gather moves world_size times the bytes (on
+        loopback with 2 ranks and the CNN's reports, 40 ms against 20 ms)."""
         if not self.distributed:
             return rows_MX
-        out = torch.empty((self.world_size * rows_MX.shape[0],) + tuple(rows_MX.shape[1:]),
-                          dtype=rows_MX.dtype, device=rows_MX.device)
-        _all_gather_single(out, rows_MX.contiguous())
-        return out
+        rows_MX = rows_MX.contiguous()
+        if self.is_main:
+            dist.gather(rows_MX, list(out_RMX.chunk(self.world_size)), dst=0)
+            return out_RMX
+        dist.gather(rows_MX, None, dst=0)
+        return None
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.distributed:

@@ -104,6 +104,8 @@ class FlatLayout:
         for e, t in zip(self.entries, tensors):
             if e.is_param and t.grad is not None:
                 out[e.offset:e.offset + e.numel].copy_(t.grad.reshape(-1))
+            else:  # ``out`` may be a reused buffer: every element is written
+                out[e.offset:e.offset + e.numel].zero_()
         return out
 
     def state_dict(self, flat_P: torch.Tensor) -> dict[str, torch.Tensor]:

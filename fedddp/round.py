@@ -199,13 +199,20 @@ def run(cfg: config.Config, comm) -> dict:
     num_sampled = cfg.num_sampled()
     last_round = start_round - 1
 
+    rows_buffer, gather_buffer = torch.empty(0, report.width, device=device), None
     for round_idx in range(start_round, rc.rounds + 1):
         t_round = time.perf_counter()
         # -- sample: identical on every rank, no communication ------------------------------
         sampled = sample_clients(cfg.data.num_clients, num_sampled, rc.seed, round_idx)
         mine = [c for c in sampled if owner(c, comm.world_size) == comm.rank]
         rows_per_rank, row_order = layout_rows(sampled, comm.world_size)
-        rows_MF = torch.zeros(rows_per_rank, report.width, device=device)
+        # Report buffers live across rounds (fresh ones cost page faults every round); padding
+        # rows keep stale values and are never read.
+        if rows_buffer.shape[0] < rows_per_rank:
+            rows_buffer = torch.empty(rows_per_rank, report.width, device=device)
+            gather_buffer = torch.empty(comm.world_size * rows_per_rank, report.width, device=device) \
+                if comm.is_main and comm.world_size > 1 else None
+        rows_MF = rows_buffer[:rows_per_rank]
 
         # -- local training of this rank's sampled clients, one after another ----------------
         server_view = {k: state[k] for k in strategy.client_visible}
@@ -221,9 +228,11 @@ def run(cfg: config.Config, comm) -> dict:
             report.pack_scalars(rows_MF[i], out)
 
         # -- gather the reports, ordered by client id ---------------------------------------
-        rows_KF = comm.all_gather_rows(rows_MF)
+        gathered = gather_buffer[:comm.world_size * rows_per_rank] if gather_buffer is not None else None
+        rows_KF = comm.gather_rows(rows_MF, gathered)
         if comm.is_main:
-            rows_KF = rows_KF[torch.tensor(row_order, device=device)]
+            if row_order != list(range(rows_KF.shape[0])):
+                rows_KF = rows_KF[torch.tensor(row_order, device=device)]
         t_gather = time.perf_counter()
 
         # -- aggregate on rank 0 -------------------------------------------------------------

@@ -63,3 +63,15 @@ def test_row_layout_orders_by_client_id():
 def test_client_seeds_differ():
     seeds = {sampling.client_seed(0, r, c) for r in range(1, 4) for c in range(10)}
     assert len(seeds) == 30
+
+
+def test_grads_into_a_reused_buffer_overwrite_every_element():
+    """Report rows are reused across rounds: a gradient written into one must not leave the old
+    contents where buffers (which have no gradient) sit."""
+    model = resnet18((3, 32, 32), 10)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    layout = FlatLayout(model)
+    out = torch.full((layout.numel,), float("nan"))
+    layout.flatten_grads(model, out=out)
+    assert not out.isnan().any()
+    assert torch.equal(out, layout.flatten_grads(model))
