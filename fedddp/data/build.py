@@ -1,0 +1,89 @@
+"""``build(cfg, seed, owned_ids)``: the data set named by ``cfg.data``, split over clients.
+
+Every rank reads the label arrays and computes the same partition (seeded, pure), so it knows
+every client's sample count; it turns into float tensors only the images of the clients it owns,
+plus the global test set. Normalisation is elementwise, so a client's tensors are bitwise the same
+whichever rank builds them.
+
+Legend: N images, C channels, H x W pixels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import ClientData, FederatedData, idx, partition, synthetic, vision
+from ..errors import ConfigError, DataError
+
+_HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generator
+
+
+def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
+    data = cfg.data
+    if seed < 0:  # numpy's SeedSequence takes only non-negative entropy
+        raise ConfigError(f"run.seed: must be >= 0, got {seed}")
+    assert all(0 <= k < data.num_clients for k in owned_ids), (owned_ids, data.num_clients)
+    if data.name == "synthetic":
+        return synthetic.build(data, seed, owned_ids)
+
+    if not 0.0 <= data.holdout_from_test < 1.0:
+        raise ConfigError(f"data.holdout_from_test: must be in [0, 1), got {data.holdout_from_test}")
+    holdout = data.holdout_from_test > 0
+    root = cfg.data_root()
+    if data.name in idx.FOLDERS:
+        train, test = idx.load(root, data.name, with_train=not holdout, download=data.download)
+        (mean_C, std_C), num_classes = idx.STATS[data.name], 10
+    elif data.name in vision.STATS:
+        train, test = vision.load(root, data.name, download=data.download)
+        (mean_C, std_C), num_classes = vision.STATS[data.name], vision.NUM_CLASSES[data.name]
+    else:
+        raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: synthetic, "
+                          f"{', '.join([*idx.FOLDERS, *vision.STATS])})")
+    if holdout:
+        train, test = holdout_split(test, data.holdout_from_test, seed)
+    for _, labels in (train, test):
+        if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
+            raise DataError(f"{root}: {data.name} labels outside [0, {num_classes}); the files are not "
+                            f"{data.name}, fetch them again")
+
+    images_NCHW, labels_N = train
+    parts = _partition(labels_N, data, seed)
+    owned = set(owned_ids)
+    train_data = {k: ClientData(to_tensor(images_NCHW[parts[k]], mean_C, std_C),
+                                torch.from_numpy(labels_N[parts[k]]))
+                  for k in sorted(owned)}
+    return FederatedData(num_classes=num_classes, input_shape=tuple(images_NCHW.shape[1:]),
+                         num_samples=[len(p) for p in parts], train=train_data,
+                         test=ClientData(to_tensor(test[0], mean_C, std_C), torch.from_numpy(test[1])))
+
+
+def holdout_split(split, fraction: float, seed: int):
+    """(images, labels) -> (train, test): a seeded permutation sends round(fraction * N) samples to
+    test and the rest to train; both keep the file order (sorted indices)."""
+    images, labels_N = split
+    perm_N = np.random.default_rng([_HOLDOUT_STREAM, seed]).permutation(len(labels_N))
+    num_test = round(fraction * len(labels_N))
+    test_idx, train_idx = np.sort(perm_N[:num_test]), np.sort(perm_N[num_test:])
+    if len(train_idx) == 0 or len(test_idx) == 0:
+        raise ConfigError(f"data.holdout_from_test: {fraction} of {len(labels_N)} samples leaves an empty "
+                          "train or test set; use a value such as 0.2")
+    return (images[train_idx], labels_N[train_idx]), (images[test_idx], labels_N[test_idx])
+
+
+def to_tensor(images_NCHW: np.ndarray, mean_C, std_C) -> torch.Tensor:
+    """uint8 [N, C, H, W] -> float32, pixels in [0, 1] then standardised per channel."""
+    x = torch.from_numpy(images_NCHW.astype(np.float32)) / 255.0  # astype copies: the IDX buffer is read-only
+    mean = torch.tensor(mean_C, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(std_C, dtype=torch.float32).view(1, -1, 1, 1)
+    return (x - mean) / std
+
+
+def _partition(labels_N: np.ndarray, data, seed: int) -> list[np.ndarray]:
+    if data.partition == "iid":
+        return partition.iid(labels_N, data.num_clients, seed)
+    if data.partition == "dirichlet":
+        return partition.dirichlet(labels_N, data.num_clients, data.dirichlet_alpha, seed)
+    if data.partition == "shards":
+        return partition.shards(labels_N, data.num_clients, data.shards_per_client, seed)
+    raise ConfigError(f"data.partition: unknown {data.partition!r} (valid: iid, dirichlet, shards)")
