@@ -1,5 +1,6 @@
 """Config loading: typed fields, dotted overrides, every error reported at once, exit status 2."""
 
+import os
 import subprocess
 import sys
 
@@ -79,3 +80,9 @@ def test_cli_missing_config_file_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedddp", "nope.toml"], capture_output=True,
                           text=True, cwd=tmp_path)
     assert proc.returncode == 2 and "nope.toml: config file not found" in proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))))
+def test_every_shipped_config_is_valid(name):
+    cfg = config.load(os.path.join(os.path.dirname(__file__), "..", "configs", name))
+    assert cfg.run.rounds > 0
