@@ -37,7 +37,7 @@ SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"
 
 
 class ReportLayout:
-    """Packs a client's report into one float32 row, so a round needs a single all-gather:
+    """Packs a client's report into one float32 row, so a round needs a single gather:
     [params P | vector fields P each | scalars | eff_rank L]."""
 
     def __init__(self, needs: frozenset, numel: int, num_layers: int):
