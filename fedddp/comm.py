@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .env import ProcessEnv
+from .errors import ConfigError
 
 
 class Comm:
@@ -22,6 +23,10 @@ class Comm:
         self.rank = env.rank
         self.world_size = env.world_size
         if device == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if env.local_rank >= count:
+                raise ConfigError(f"run.device: cuda, but local rank {env.local_rank} sees {count} GPU(s); "
+                                  "start one rank per GPU, or set run.device=cpu")
             torch.cuda.set_device(env.local_rank)
             self.device = torch.device("cuda", env.local_rank)
         else:

@@ -86,3 +86,13 @@ def test_cli_missing_config_file_exits_2(tmp_path):
 def test_every_shipped_config_is_valid(name):
     cfg = config.load(os.path.join(os.path.dirname(__file__), "..", "configs", name))
     assert cfg.run.rounds > 0
+
+
+def test_cuda_without_a_gpu_is_a_config_error(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, "-m", "fedddp", "run.device=cuda", f"run.out_dir={tmp_path}"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "run.device: cuda, but local rank 0 sees 0 GPU(s)" in proc.stderr
