@@ -158,6 +158,16 @@ class ControlVariates:
     reads_server = ("control_P",)
     reports = ("control_delta_KP",)
 
+    def begin(self, model, ctx) -> None:
+        super().begin(model, ctx)
+        self._begin_control(ctx)
+
+    def gradient(self, model, x, y, ctx):
+        # the rule this mixes into (next in the MRO) gives the direction; c - c_k is added to it
+        loss = super().gradient(model, x, y, ctx)
+        self._add_correction(_params(model), ctx)
+        return loss
+
     def _begin_control(self, ctx) -> None:
         c_P = ctx.server_view["control_P"]
         c_k_P = ctx.state.get("control_P")
@@ -186,14 +196,6 @@ class Scaffold(ControlVariates, LocalRule):
 
     name = "scaffold"
     doc = __doc__
-
-    def begin(self, model, ctx) -> None:
-        self._begin_control(ctx)
-
-    def gradient(self, model, x, y, ctx):
-        loss = LocalRule.gradient(self, model, x, y, ctx)
-        self._add_correction(_params(model), ctx)
-        return loss
 
 
 class Moon(LocalRule):
@@ -286,14 +288,6 @@ class GamCV(ControlVariates, Gam):
 
     name = "gam_cv"
     doc = __doc__
-
-    def begin(self, model, ctx) -> None:
-        self._begin_control(ctx)
-
-    def gradient(self, model, x, y, ctx):
-        loss = Gam.gradient(self, model, x, y, ctx)
-        self._add_correction(_params(model), ctx)
-        return loss
 
 
 class Smoo(LocalRule):
