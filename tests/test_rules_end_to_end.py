@@ -44,3 +44,14 @@ def test_rule_on_real_mnist_cnn(tmp_path, name):
         assert len(rows[-1]["cgw_x"]) == 10
     if name == "feder":
         assert len(rows[-1]["feder_alpha"]) == 10 and len(rows[-1]["feder_alpha"][0]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(os.path.join(REAL_MNIST, "MNIST", "raw", "t10k-images-idx3-ubyte.gz")),
+                    reason="the real MNIST test split is not in ../shared/data")
+def test_gam_clients_with_feder_aggregation(tmp_path):
+    """A composed pair (seed 002's local rule, seed 003's server rule) runs end to end and stays
+    world-size invariant."""
+    check_invariant(tmp_path, "feder", MNIST_CNN, [
+        f"data.root={REAL_MNIST}", "algorithm.local=gam", "run.rounds=2", "train.local_steps=3",
+        "run.eval_every=2", "run.ckpt_every=0"])
