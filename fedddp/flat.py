@@ -41,6 +41,7 @@ class FlatLayout:
         self.entries: list[Entry] = entries
         self.numel = offset
         self._dtypes = {n: t.dtype for n, t, _ in named}
+        self._param_masks: dict[torch.device, torch.Tensor] = {}
 
     # -- per-element indices for per-layer rules --------------------------------------------
 
@@ -67,6 +68,19 @@ class FlatLayout:
                 groups.append(group_of_param.get(e.name.rsplit(".", 1)[0], current))
         sizes = torch.tensor([e.numel for e in self.entries])
         return torch.repeat_interleave(torch.tensor(groups), sizes)
+
+    def param_mask_P(self, device=None) -> torch.Tensor:
+        """bool [P]: True on parameter elements, False on buffers (BatchNorm statistics), which no
+        control variate or dual variable applies to. Built once per device: rules use it for
+        every client."""
+        device = torch.device(device or "cpu")
+        if device not in self._param_masks:
+            mask = torch.zeros(self.numel, dtype=torch.bool, device=device)
+            for e in self.entries:
+                if e.is_param:
+                    mask[e.offset:e.offset + e.numel] = True
+            self._param_masks[device] = mask
+        return self._param_masks[device]
 
     def conv_entries(self) -> list[Entry]:
         return [e for e in self.entries if e.is_conv]

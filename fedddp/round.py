@@ -36,6 +36,9 @@ SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"
                  ("num_steps_K", "num_steps"), ("full_loss_K", "full_loss"))
 
 
+ALWAYS_PACKED = strategies.ALWAYS | {"train_time_K"}
+
+
 class ReportLayout:
     """Packs a client's report into one float32 row, so a round needs a single gather:
     [params P | vector fields P each | scalars | eff_rank L]."""
@@ -48,7 +51,7 @@ class ReportLayout:
                 self.slices[stack] = slice(offset, offset + numel)
                 offset += numel
         for stack, key in SCALAR_FIELDS:
-            if stack in needs or stack in strategies.ALWAYS or stack == "train_time_K":
+            if stack in needs or stack in ALWAYS_PACKED:
                 self.slices[stack] = slice(offset, offset + 1)
                 offset += 1
         if "eff_rank_KL" in needs:
@@ -298,7 +301,7 @@ def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[st
     if "conv_group_P" in needs:
         static["conv_group_P"] = layout.conv_group_P().to(device)
     if "param_mask_P" in needs:
-        static["param_mask_P"] = local_rules.param_mask_P(layout, device)
+        static["param_mask_P"] = layout.param_mask_P(device)
     if "num_clients" in needs:
         static["num_clients"] = torch.tensor(float(cfg.data.num_clients), device=device)
     if "client_momentum" in needs:

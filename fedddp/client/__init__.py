@@ -79,9 +79,8 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
             ctx.layout.flatten_grads(model, out=out["last_grad_P"])
         lr_sum += optimizer.param_groups[0]["lr"]
         optimizer.step()
-    rule.end(model, ctx, total_steps, lr_sum / max(total_steps, 1), out)
-
     ctx.layout.flatten(model, out=out["params_P"])
+    rule.end(model, ctx, total_steps, lr_sum / max(total_steps, 1), out)
     out["train_loss"] = loss_sum / max(total_steps, 1)
     out["num_samples"] = torch.tensor(float(n))
     out["num_steps"] = torch.tensor(float(total_steps))

@@ -11,7 +11,8 @@ A rule has three hooks, called by ``train_client``:
                                      (cross-entropy at w, detached use only)
   end(model, ctx, num_steps, lr, out) once, after the last step: update ctx.state and write the
                                      report fields the rule produces into ``out`` (views into the
-                                     gather buffer, keys as in fedddp.round.VECTOR_FIELDS);
+                                     gather buffer, keys as in fedddp.round.VECTOR_FIELDS;
+                                     out["params_P"] already holds the trained model);
                                      ``lr`` is the mean learning rate of the steps taken
 Rules hold no state across clients: everything persistent lives in ctx.state, which the round
 loop keeps on the client's owner rank (fedddp.client.state) and checkpoints.
@@ -45,16 +46,6 @@ def param_views(layout, vec_P: torch.Tensor) -> list[torch.Tensor]:
     """Views of a flat [P] vector shaped like the model's parameters, in ``parameters()`` order
     (the layout lists parameters first, in that order)."""
     return [vec_P[e.offset:e.offset + e.numel].view(e.shape) for e in layout.entries if e.is_param]
-
-
-def param_mask_P(layout, device=None) -> torch.Tensor:
-    """bool [P]: True on parameter elements, False on buffers (BatchNorm statistics), which no
-    control variate or dual variable applies to."""
-    mask = torch.zeros(layout.numel, dtype=torch.bool, device=device)
-    for e in layout.entries:
-        if e.is_param:
-            mask[e.offset:e.offset + e.numel] = True
-    return mask
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -182,8 +173,8 @@ class ControlVariates:
 
     def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
         c_P, c_k_P = ctx.scratch["c_P"], ctx.scratch["c_k_P"]
-        w_k_P = ctx.layout.flatten(model)
-        drift_P = (ctx.global_P - w_k_P) * param_mask_P(ctx.layout, w_k_P.device)
+        w_k_P = out["params_P"]  # the trained model, flattened by train_client
+        drift_P = (ctx.global_P - w_k_P) * ctx.layout.param_mask_P(w_k_P.device)
         new_c_k_P = c_k_P - c_P + drift_P / (max(num_steps, 1) * lr)
         if "control_delta_P" in out:
             out["control_delta_P"].copy_(new_c_k_P - c_k_P)
@@ -334,8 +325,8 @@ class Smoo(LocalRule):
         return loss.detach()
 
     def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
-        w_k_P = ctx.layout.flatten(model)
-        mask_P = param_mask_P(ctx.layout, w_k_P.device)
+        w_k_P = out["params_P"]  # the trained model, flattened by train_client
+        mask_P = ctx.layout.param_mask_P(w_k_P.device)
         ctx.state["drift_P"] = ctx.scratch["drift_P"] + (w_k_P - ctx.global_P) * mask_P
         ctx.state["perturb_dual_P"] = ctx.scratch["perturb_dual_P"]
         if "perturb_dual_P" in out:
