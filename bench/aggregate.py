@@ -8,14 +8,17 @@
 For each rule, K in {4, 32, 100} and P of seed 002's CNN (MNIST) and of ResNet-18 (CIFAR-100,
 buffers included, as fedddp flattens them), it prints one Markdown row:
   ms/call      best time of one aggregate call over a few repetitions after a warm-up (inputs
-               already on the device). On one CPU thread the clock is the process's CPU time
-               (user + sys, so page faults of fresh outputs count) rather than wall time: on a
-               machine shared with other jobs wall time mostly measures the other jobs.
+               already on the device), in the form the runtime uses (on CPU the fused C
+               kernels). On one CPU thread the clock is the process's CPU time (user + sys, so
+               page faults of fresh outputs count) rather than wall time: on a machine shared
+               with other jobs wall time mostly measures the other jobs.
   GB/s         bytes of the [K, P] stacks the rule reads (K P 4 per stack: 2 stacks for FedGMA
                with the last-step gradient and for CGW) divided by ms/call
   ratio        GB/s / copy bandwidth, where copy bandwidth = (read + write bytes) / time of one
                512 MiB tensor copy measured in the same run (so ratio 1 means the rule streams
                its input as fast as a copy moves bytes in and out)
+  torch-op     ms and ratio of the rule's torch-op form (FEDDDP_KERNELS=torch; what CUDA runs),
+               on CPU only (--no-torch-form skips it)
   naive ratio  the same for the obvious composition of torch ops (every step materialising its
                [K, P] temporary), and speedup = naive ms / fused ms.
 Naive versions that would need more than NAIVE_BUDGET bytes of temporaries are skipped.
@@ -37,7 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from fedddp import strategies  # noqa: E402
 from fedddp.config import AlgorithmConfig  # noqa: E402
-from fedddp.flat import FlatLayout  # noqa: E402
+from fedddp.flat import FlatLayout, runs_R3  # noqa: E402
+from fedddp.strategies import kernels  # noqa: E402
 
 NAIVE_BUDGET = 4 * 2 ** 30
 HP = AlgorithmConfig(server_momentum=0.9, cong_alpha=0.7, gma_threshold=0.8, server_lr=1.0,
@@ -108,7 +112,7 @@ def naive_fedavg(global_P, stacks, state, hp):
 
 def naive_fedmom(global_P, stacks, state, hp):
     delta = (naive_weights(stacks)[:, None] * (stacks["params_KP"] - global_P)).sum(0)
-    velocity = hp.server_momentum * state["velocity_P"] + delta
+    velocity = hp.server_momentum * (global_P - state["previous_P"]) + delta
     return global_P + velocity
 
 
@@ -175,6 +179,8 @@ def main() -> None:
     parser.add_argument("--models", default=None,
                         help="comma-separated subset of cnn-mnist,resnet18-c100 (default both)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive compositions")
+    parser.add_argument("--no-torch-form", action="store_true",
+                        help="on CPU, skip timing the rules' torch-op form (their CUDA form)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (the runtime pins run.num_threads, default 1)")
     parser.add_argument("--clock", choices=tuple(CLOCK), default=None,
@@ -200,9 +206,13 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"device: {name}; torch {torch.__version__}; clock: {clock_name}; "
           f"load average at start {load:.1f}; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}")
+    # the fused C kernels where they apply (CPU), then the torch-op form for comparison
+    forms = ["c", "torch"] if device.type == "cpu" and not args.no_torch_form else ["torch"]
+    print(f"form of the rules: {kernels.describe(device)}")
     print(f"copy bandwidth (512 MiB tensor copy, read + write bytes): {bandwidth / 1e9:.1f} GB/s\n")
-    print("| rule | K | P | stacks | ms/call | GB/s | ratio | naive ms | naive ratio | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| rule | K | P | stacks | ms/call | GB/s | ratio | torch-op ms | torch-op ratio "
+          "| naive ms | naive ratio | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     gen = torch.Generator(device=device).manual_seed(0)
     for model_name, num_params, group_P, num_layers in model_layouts():
@@ -218,7 +228,8 @@ def main() -> None:
                 "train_loss_K": torch.rand(num_clients, device=device, generator=gen),
                 "full_loss_K": 0.5 + torch.rand(num_clients, device=device, generator=gen),
                 "eff_rank_KL": 3 * torch.rand(num_clients, num_layers, device=device, generator=gen),
-                "conv_group_P": group_P.to(device),
+                "conv_group_P": group_P.to(device),    # for the naive FedER
+                "conv_runs_R3": runs_R3(group_P).to(device),
             }
             for rule in rules:
                 naive_fn, num_stacks, num_temps = RULES[rule]
@@ -227,11 +238,19 @@ def main() -> None:
                     stacks["last_grad_KP"] = stacks["full_grad_KP"] = grads_KP
                 strategy = strategies.get(rule)
                 state = strategy.init_state(global_P, HP)
-                if "velocity_P" in state:
-                    state["velocity_P"].normal_(generator=gen)
-                fused_s = timed(lambda: strategy.aggregate(global_P, stacks, state, HP), device)
+                if "previous_P" in state:  # a velocity that is not zero
+                    state["previous_P"].add_(torch.randn(num_params, device=device, generator=gen),
+                                             alpha=0.01)
                 read_bytes = num_stacks * num_clients * num_params * 4
+                seconds = {}
+                for form in forms:
+                    os.environ["FEDDDP_KERNELS"] = form
+                    seconds[form] = timed(lambda: strategy.aggregate(global_P, stacks, state, HP), device)
+                os.environ.pop("FEDDDP_KERNELS")
+                fused_s = seconds[forms[0]]
                 fused_rate = read_bytes / fused_s
+                torch_form = (f"{seconds['torch'] * 1e3:.1f} | {read_bytes / seconds['torch'] / bandwidth:.2f}"
+                              if len(forms) > 1 else "- | -")
                 if args.no_naive:
                     naive = "- | - | -"
                 elif num_temps * num_clients * num_params * 4 <= NAIVE_BUDGET:
@@ -241,8 +260,9 @@ def main() -> None:
                 else:
                     naive = "skipped (memory) | - | -"
                 print(f"| {rule} | {num_clients} | {num_params:,} | {num_stacks} | {fused_s * 1e3:.1f} | "
-                      f"{fused_rate / 1e9:.1f} | {fused_rate / bandwidth:.2f} | {naive} |", flush=True)
-            del stacks, params_KP
+                      f"{fused_rate / 1e9:.1f} | {fused_rate / bandwidth:.2f} | {torch_form} | {naive} |",
+                      flush=True)
+            stacks = params_KP = None  # free the stacks before the next K
     print(f"\ntotal bench time: {time.perf_counter() - start:.0f} s")
 
 

@@ -10,7 +10,7 @@ configuration error naming both.
 
 from __future__ import annotations
 
-from . import strategies
+from . import strategies, tasks
 
 # name -> (local rule in fedddp.client, server rule in fedddp.strategies)
 ALGORITHMS: dict[str, tuple[str, str]] = {
@@ -70,6 +70,12 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
             errors.append(f"algorithm.moon_tau: must be > 0, got {cfg.algorithm.moon_tau}")
         if cfg.algorithm.moon_proj_dim < 0:
             errors.append(f"algorithm.moon_proj_dim: must be >= 0, got {cfg.algorithm.moon_proj_dim}")
+        if tasks.of_data(cfg.data.name) == "regression":
+            # MOON's projection head sits between the features and a classifier, and its
+            # contrastive term is part of a cross-entropy objective: neither exists for a regressor.
+            errors.append(f"algorithm.local: {pair}: MOON is defined for classification; data.name = "
+                          f"{cfg.data.name} is a regression task (choose another algorithm.name or "
+                          "algorithm.local)")
     from .client.optim import check_optimizer
     return errors + check_optimizer(cfg.train)
 

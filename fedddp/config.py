@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tasks
 from .errors import ConfigError
 
 
@@ -52,30 +53,43 @@ class RunConfig:
 @dataclass
 class DataConfig:
     name: str = opt("synthetic", "Data set.",
-                    ("synthetic", "mnist", "fashionmnist", "cifar10", "cifar100"))
+                    ("synthetic", "mnist", "fashionmnist", "cifar10", "cifar100", "cmapss", "femnist",
+                     "colored_mnist"))
     root: str = opt("", "Folder holding the data sets (torchvision layout, e.g. ROOT/MNIST/raw). "
                         "Empty: $FEDDDP_DATA, else ./data.")
     download: bool = opt(False, "Let torchvision download a missing data set (needs internet).")
     num_clients: int = opt(30, "Number of clients N.")
     partition: str = opt("dirichlet", "How samples are split over clients (synthetic data is split "
-                                      "by its generator and ignores this).",
-                         ("iid", "dirichlet", "shards"))
+                                      "by its generator and ignores this). natural: the data set's own "
+                                      "clients (femnist's writers; femnist needs it).",
+                         ("iid", "dirichlet", "shards", "classes", "natural"))
     dirichlet_alpha: float = opt(0.3, "Dirichlet concentration for the label-skew split; smaller is more skewed.")
-    shards_per_client: int = opt(2, "Classes (shards) per client for partition = shards.")
+    shards_per_client: int = opt(2, "Shards per client for partition = shards; exact classes per client "
+                                    "for partition = classes.")
     holdout_from_test: float = opt(0.0, "If > 0, carve both train and test sets from the standard test "
                                         "split, this fraction going to test (for folders with only the "
                                         "test split, e.g. 0.2 gives 8,000 / 2,000 on MNIST).")
+    colored_variant: str = opt("binary", "Colored MNIST: binary (digit < 5, red/green) or multiclass "
+                                         "(10 digits, class colours); docs/datasets.md.", ("binary", "multiclass"))
+    colored_flip_min: float = opt(0.1, "Colored MNIST binary: smallest client probability of the other colour.")
+    colored_flip_max: float = opt(0.2, "Colored MNIST binary: largest client probability of the other colour.")
+    colored_test_flip: float = opt(0.9, "Colored MNIST binary: probability of the reversed colour in the test set.")
     synthetic_alpha: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client model mean u_k.")
     synthetic_beta: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client input mean B_k.")
     synthetic_iid: bool = opt(False, "Synthetic IID variant: one shared model, v_k = 0.")
     synthetic_dim: int = opt(60, "Synthetic input dimension d.")
     synthetic_classes: int = opt(10, "Synthetic number of classes.")
     augment: bool = opt(False, "CIFAR only: random crop + flip + cutout on training batches.")
+    cmapss_subset: str = opt("FD001", "CMAPSS sub-data set, ROOT/CMAPSS/{train,test,RUL}_FD00x.txt. Its "
+                                      "clients are pairs of engines in unit order (data.partition is "
+                                      "ignored), so data.num_clients must be ceil(engines / 2): 50, 130, "
+                                      "50, 125 for FD001-FD004.", ("FD001", "FD002", "FD003", "FD004"))
 
 
 @dataclass
 class ModelConfig:
-    name: str = opt("logistic", "Model.", ("logistic", "mlp", "cnn", "resnet18"))
+    name: str = opt("logistic", "Model. ffnn: seed 004's regressor (20-30-20 tanh, sigmoid output), "
+                                "for regression data (cmapss).", ("logistic", "mlp", "cnn", "resnet18", "ffnn"))
     hidden: int = opt(200, "MLP hidden width.")
     flat_buffers: bool = opt(True, "Send buffers (BatchNorm statistics) with the parameters and average them.")
 
@@ -255,6 +269,18 @@ def validate(cfg: Config) -> list[str]:
     if cfg.num_sampled() > cfg.data.num_clients:
         errors.append(f"run.clients_per_round: {cfg.num_sampled()} sampled clients but only "
                       f"data.num_clients = {cfg.data.num_clients}; lower it or raise data.num_clients")
+    if not 0.0 <= cfg.data.colored_flip_min <= cfg.data.colored_flip_max <= 1.0:
+        errors.append(f"data.colored_flip_min: need 0 <= colored_flip_min <= colored_flip_max <= 1, got "
+                      f"{cfg.data.colored_flip_min} and {cfg.data.colored_flip_max}")
+    if not 0.0 <= cfg.data.colored_test_flip <= 1.0:
+        errors.append(f"data.colored_test_flip: must be in [0, 1], got {cfg.data.colored_test_flip}")
+    own_clients = ("femnist", "synthetic", "cmapss")  # clients come with the data; the others are partitioned
+    if cfg.data.partition == "natural" and cfg.data.name not in own_clients:
+        errors.append(f"data.partition: natural needs a data set with its own clients (femnist: its writers); "
+                      f"data.name = {cfg.data.name} has none, use iid, dirichlet, shards or classes")
+    if cfg.data.name == "femnist" and cfg.data.partition != "natural":
+        errors.append(f"data.partition: femnist's clients are its writers; set data.partition = natural, not "
+                      f"{cfg.data.partition} (IID FEMNIST: LEAF's preprocess.sh -s iid)")
     if cfg.data.dirichlet_alpha <= 0:
         errors.append(f"data.dirichlet_alpha: must be > 0, got {cfg.data.dirichlet_alpha}")
     if cfg.train.local_epochs == 0 and cfg.train.local_steps == 0:
@@ -262,6 +288,12 @@ def validate(cfg: Config) -> list[str]:
     if cfg.data.name == "synthetic" and cfg.model.name in ("cnn", "resnet18"):
         errors.append(f"model.name: {cfg.model.name} needs images; data.name = synthetic has flat "
                       "features (use logistic or mlp)")
+    if tasks.of_data(cfg.data.name) == "regression" and cfg.model.name in ("cnn", "resnet18"):
+        errors.append(f"model.name: {cfg.model.name} needs images; data.name = {cfg.data.name} has flat "
+                      "features (use ffnn, logistic or mlp)")
+    if tasks.of_data(cfg.data.name) == "classification" and cfg.model.name == "ffnn":
+        errors.append(f"model.name: ffnn is a regressor (one sigmoid output); data.name = {cfg.data.name} "
+                      "is a classification task (use logistic, mlp, cnn or resnet18)")
     from .algorithms import check_algorithm  # late import: algorithms imports the strategy registry
     errors.extend(check_algorithm(cfg))
     return errors

@@ -69,6 +69,11 @@ class FlatLayout:
         sizes = torch.tensor([e.numel for e in self.entries])
         return torch.repeat_interleave(torch.tensor(groups), sizes)
 
+    def conv_runs_R3(self) -> torch.Tensor:
+        """conv_group_P as runs of equal layer: int64 [R, 3] rows (start, stop, layer), covering
+        [0, P) in order (at most one run per tensor; FedER's static input)."""
+        return runs_R3(self.conv_group_P())
+
     def param_mask_P(self, device=None) -> torch.Tensor:
         """bool [P]: True on parameter elements, False on buffers (BatchNorm statistics), which no
         control variate or dual variable applies to. Built once per device: rules use it for
@@ -130,3 +135,10 @@ class FlatLayout:
             dtype = self._dtypes[e.name]
             out[e.name] = chunk if dtype.is_floating_point else chunk.round().to(dtype)
         return out
+
+
+def runs_R3(group_P: torch.Tensor) -> torch.Tensor:
+    """int64 [R, 3] rows (start, stop, value) of the maximal runs of equal values in group_P."""
+    values_R, lengths_R = torch.unique_consecutive(group_P, return_counts=True)
+    stops_R = lengths_R.cumsum(0)
+    return torch.stack([stops_R - lengths_R, stops_R, values_R], dim=1)

@@ -14,9 +14,8 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from . import checkpoint, config, strategies
+from . import checkpoint, config, strategies, tasks
 from .algorithms import resolve as resolve_algorithm
 from .client import ClientContext, train_client
 from .client import rules as local_rules
@@ -79,11 +78,12 @@ class ReportLayout:
 
 
 class Progress:
-    """One line on rank 0: round, accuracy, seconds per round, ETA. Rewritten in place on a
-    terminal; on a log file one line per evaluation."""
+    """One line on rank 0: round, test metric (accuracy or MAE), seconds per round, ETA.
+    Rewritten in place on a terminal; on a log file one line per evaluation."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, enabled: bool, metric_key: str = "test_accuracy"):
         self.total, self.enabled = total, enabled
+        self.metric_key, self.metric_label = metric_key, metric_key.removeprefix("test_")[:3]
         self.tty = sys.stderr.isatty()
         self.start, self.first = time.perf_counter(), None
 
@@ -93,8 +93,8 @@ class Progress:
         done = round_idx - start_round + 1
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total - round_idx)
-        acc = metrics.get("test_accuracy")
-        acc_text = f"acc {acc:.4f}" if acc is not None else "acc   -   "
+        acc = metrics.get(self.metric_key)
+        acc_text = f"{self.metric_label} {acc:.4f}" if acc is not None else f"{self.metric_label}   -   "
         line = (f"round {round_idx}/{self.total} | {acc_text} | train loss {metrics['train_loss']:.4f}"
                 f" | {elapsed / done:.2f} s/round | ETA {int(eta) // 60}:{int(eta) % 60:02d}")
         if self.tty:
@@ -112,16 +112,18 @@ def _to_json(value):
 
 
 @torch.no_grad()
-def evaluate(model, test, comm, batch_size: int = 1000) -> tuple[float, float]:
-    """Global test loss and accuracy; the test set is sharded over ranks, sums all-reduced."""
+def evaluate(model, test, comm, task: tasks.Task = tasks.CLASSIFICATION,
+             batch_size: int = 1000) -> tuple[float, float]:
+    """Global test loss and metric (accuracy, or MAE for regression); the test set is sharded
+    over ranks, sums all-reduced."""
     model.eval()
     x_all, y_all = test.x[comm.rank::comm.world_size], test.y[comm.rank::comm.world_size]
-    sums = torch.zeros(3, dtype=torch.float64, device=comm.device)  # loss, correct, count
+    sums = torch.zeros(3, dtype=torch.float64, device=comm.device)  # loss, metric, count
     for start in range(0, len(y_all), batch_size):
         x, y = x_all[start:start + batch_size], y_all[start:start + batch_size]
-        logits = model(x)
-        sums[0] += F.cross_entropy(logits, y, reduction="sum").double()
-        sums[1] += (logits.argmax(1) == y).sum()
+        output = model(x)
+        sums[0] += task.loss(output, y, reduction="sum").double()
+        sums[1] += task.metric_sum(output, y).double()
         sums[2] += len(y)
     comm.all_reduce_sum_(sums)
     model.train()
@@ -165,6 +167,7 @@ def run(cfg: config.Config, comm) -> dict:
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
     model = build_model(cfg, data.input_shape, data.num_classes).to(device)
+    task = tasks.get(data.task)
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()
     state = strategy.init_state(global_P, cfg.algorithm)
@@ -198,7 +201,14 @@ def run(cfg: config.Config, comm) -> dict:
             os.remove(metrics_path)
         elif start_round > 1:
             _truncate_metrics(metrics_path, start_round - 1)
-    progress = Progress(rc.rounds, rc.progress and comm.is_main)
+    progress = Progress(rc.rounds, rc.progress and comm.is_main, task.metric_key)
+    if comm.is_main:
+        # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
+        # out; the line says which form of the rules produced this run's bits.
+        form = strategies.kernels.describe(device)
+        if rc.progress:
+            print(f"fedddp: {comm.world_size} rank(s) on {device.type}; {server_name} aggregation: "
+                  f"{form}", file=sys.stderr, flush=True)
     num_sampled = cfg.num_sampled()
     last_round = start_round - 1
 
@@ -222,7 +232,7 @@ def run(cfg: config.Config, comm) -> dict:
         for i, cid in enumerate(mine):
             layout.unflatten_into(global_P, model)
             ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
-                                client_states.client(cid))
+                                client_states.client(cid), task=task)
             out = report.views(rows_MF[i])
             t_client = time.perf_counter()
             train_client(model, ctx, data.train[cid], cfg, rule, needs,
@@ -255,10 +265,10 @@ def run(cfg: config.Config, comm) -> dict:
         t_bcast = time.perf_counter()
 
         # -- evaluate ------------------------------------------------------------------------
-        test_loss = test_accuracy = None
+        test_loss = test_metric = None
         if round_idx % rc.eval_every == 0 or round_idx == rc.rounds:
             layout.unflatten_into(global_P, model)
-            test_loss, test_accuracy = evaluate(model, data.test, comm)
+            test_loss, test_metric = evaluate(model, data.test, comm, task)
         t_eval = time.perf_counter()
 
         # -- checkpoint ----------------------------------------------------------------------
@@ -271,8 +281,11 @@ def run(cfg: config.Config, comm) -> dict:
         t_ckpt = time.perf_counter()
 
         if comm.is_main:
+            # test_accuracy is always a key (the output contract). The metric goes under its
+            # task's key: test_accuracy itself for classification; for regression test_mae, and
+            # test_accuracy stays null, as it is on rounds without evaluation.
             line = {"round": round_idx, "train_loss": train_loss, "test_loss": test_loss,
-                    "test_accuracy": test_accuracy, "time_s": t_ckpt - t_round,
+                    "test_accuracy": None, task.metric_key: test_metric, "time_s": t_ckpt - t_round,
                     # rank 0's wait for slower ranks is their local training, not communication
                     "train_s": max(train_s_R), "train_imbalance_s": max(train_s_R) - min(train_s_R),
                     "communicate_s": max(0.0, (t_gather - t_round) - max(train_s_R)) + (t_bcast - t_agg),
@@ -294,12 +307,12 @@ def run(cfg: config.Config, comm) -> dict:
 
 
 def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:
-    """Stacks that are not client reports but fixed for the run: conv_group_P (FedER),
+    """Stacks that are not client reports but fixed for the run: conv_runs_R3 (FedER),
     param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO) and
     client_momentum (FedNova's rho)."""
     static = {}
-    if "conv_group_P" in needs:
-        static["conv_group_P"] = layout.conv_group_P().to(device)
+    if "conv_runs_R3" in needs:
+        static["conv_runs_R3"] = layout.conv_runs_R3().to(device)
     if "param_mask_P" in needs:
         static["param_mask_P"] = layout.param_mask_P(device)
     if "num_clients" in needs:

@@ -172,7 +172,7 @@ def test_fresh_clients_clamp_to_the_uniform_mean():
     eff_rank_KL = torch.stack([effective_ranks_L(m, layout) for m in models])
     stacks = {"params_KP": params_KP, "num_samples_K": torch.tensor([10.0, 20.0, 70.0]),
               "train_loss_K": torch.zeros(3), "eff_rank_KL": eff_rank_KL,
-              "conv_group_P": layout.conv_group_P()}
+              "conv_runs_R3": layout.conv_runs_R3()}
     hp = AlgorithmConfig()
     new_P, _, diag = strategies.get("feder").aggregate(params_KP[0].clone(), stacks, {}, hp)
     torch.testing.assert_close(diag["feder_alpha"], torch.full((3, 2), 1 / 3))

@@ -33,6 +33,17 @@ def test_conv_groups_follow_previous_conv():
     assert len(layout.conv_entries()) == 2
 
 
+def test_conv_runs_cover_the_layout_in_order_and_expand_to_the_groups():
+    for net in (cnn((1, 28, 28), 10), resnet18((3, 32, 32), 100)):
+        layout = FlatLayout(net)
+        runs_R3, group_P = layout.conv_runs_R3(), layout.conv_group_P()
+        assert runs_R3[0, 0] == 0 and runs_R3[-1, 1] == layout.numel
+        assert torch.equal(runs_R3[1:, 0], runs_R3[:-1, 1])              # contiguous
+        assert (runs_R3[1:, 2] != runs_R3[:-1, 2]).all()                 # maximal
+        expanded_P = torch.repeat_interleave(runs_R3[:, 2], runs_R3[:, 1] - runs_R3[:, 0])
+        assert torch.equal(expanded_P, group_P)
+
+
 def test_grads_flatten_zero_for_buffers():
     model = resnet18((3, 32, 32), 10)
     model(torch.randn(2, 3, 32, 32)).sum().backward()

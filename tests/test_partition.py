@@ -21,6 +21,7 @@ SPLITTERS = {
     "dirichlet_0.1": lambda labels, seed: partition.dirichlet(labels, 20, 0.1, seed),
     "dirichlet_1": lambda labels, seed: partition.dirichlet(labels, 20, 1.0, seed),
     "shards": lambda labels, seed: partition.shards(labels, 20, 2, seed),
+    "classes": lambda labels, seed: partition.classes(labels, 20, 2, seed),
 }
 
 

@@ -16,11 +16,15 @@ import torch
 
 from fedddp import strategies
 from fedddp.config import AlgorithmConfig
+from fedddp.flat import runs_R3
+from fedddp.strategies import kernels
 from fedddp.strategies import fedcong as fedcong_module
 from fedddp.strategies import fedgma as fedgma_module
 
 NUM_LAYERS = 4
-SIZES = [(1, 50), (3, 50), (8, 50), (8, 13)]
+# (K, P): the C kernels work in chunks of 16 columns and blocks of 256; 13 and 50 leave a tail
+# chunk, 600 spans three blocks
+SIZES = [(1, 50), (3, 50), (8, 50), (8, 13), (5, 600)]
 SEEDS = [0, 1, 2]
 
 
@@ -57,9 +61,20 @@ def make_inputs(num_clients, num_params, seed, discrete=False):
         "full_grad_KP": 0.5 * torch.randn(num_clients, num_params, generator=g),
         "full_loss_K": 0.5 + torch.rand(num_clients, generator=g),
         "eff_rank_KL": eff_rank_KL,
-        "conv_group_P": conv_group_P,
+        "conv_group_P": conv_group_P,    # for the twin
+        "conv_runs_R3": runs_R3(conv_group_P),
     }
     return global_P, stacks
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def rule_form(request, monkeypatch):
+    """Every test runs each rule in both forms: the fused C kernels (CPU) and the torch ops
+    (the CUDA form, and the CPU fallback without a C compiler)."""
+    monkeypatch.setenv("FEDDDP_KERNELS", request.param)
+    if request.param == "c" and kernels.lib(torch.zeros(1)) is None:
+        pytest.skip("no working C compiler")
+    return request.param
 
 
 def hp_of(**kwargs):
@@ -223,7 +238,9 @@ def test_fedmom_matches_twin_over_rounds(num_clients, num_params, seed, weightin
         new_P, state, diag = run("fedmom", global_P, stacks, hp, state)
         twin_P, velocity = twin_fedmom(global_P, stacks, velocity, 0.9, weighting)
         assert_close(new_P, twin_P)
-        assert_close(state["velocity_P"], velocity)
+        assert_close(new_P - state["previous_P"], velocity)
+        assert diag["velocity_norm"].item() == pytest.approx(math.sqrt(sum(v * v for v in velocity)),
+                                                             rel=1e-5, abs=1e-6)
         global_P = new_P
     assert torch.isfinite(diag["velocity_norm"])
 
@@ -232,7 +249,7 @@ def test_fedmom_matches_twin_over_rounds(num_clients, num_params, seed, weightin
 def test_fedmom_momentum_zero_is_fedavg_every_round(num_clients, num_params):
     hp = hp_of(server_momentum=0.0)
     global_P, _ = make_inputs(num_clients, num_params, 0)
-    state = {"velocity_P": torch.randn(num_params)}  # even after rounds run with momentum
+    state = {"previous_P": torch.randn(num_params)}  # even after rounds run with momentum
     for round_idx in range(3):
         _, stacks = make_inputs(num_clients, num_params, round_idx + 7)
         new_P, state, _ = run("fedmom", global_P, stacks, hp, state)
@@ -421,6 +438,7 @@ def test_feder_matches_twin_for_any_group_order(seed):
     global_P, stacks = make_inputs(3, 50, seed)
     g = torch.Generator().manual_seed(seed)
     stacks["conv_group_P"] = torch.randint(-1, NUM_LAYERS, (50,), generator=g)
+    stacks["conv_runs_R3"] = runs_R3(stacks["conv_group_P"])
     new_P, _, _ = run("feder", global_P, stacks, hp_of())
     assert_close(new_P, twin_feder(global_P, stacks))
 
@@ -444,7 +462,9 @@ BLOCKED = {"fedcong": (fedcong_module, hp_of(cong_alpha=0.5)),
 
 
 @pytest.mark.parametrize("name", sorted(BLOCKED))
-def test_blocked_rules_do_not_depend_on_the_block_size(name, monkeypatch):
+def test_blocked_rules_do_not_depend_on_the_block_size(name, monkeypatch, rule_form):
+    if rule_form == "c":
+        pytest.skip("column_block sizes the torch form's blocks only")
     module, hp = BLOCKED[name]
     global_P, stacks = make_inputs(5, 1000, 8, discrete=True)
     whole_P, _, whole_diag = run(name, global_P, stacks, hp)
@@ -480,7 +500,7 @@ def test_rules_accept_strided_views_of_the_gather_buffer(name):
 def test_rules_are_registered_with_their_needs(name):
     strategy = strategies.get(name)
     expected = {"fedmom": set(), "fedcong": set(), "fedgma": {"last_grad_KP"},
-                "cgw": {"full_grad_KP", "full_loss_K"}, "feder": {"eff_rank_KL", "conv_group_P"}}[name]
+                "cgw": {"full_grad_KP", "full_loss_K"}, "feder": {"eff_rank_KL", "conv_runs_R3"}}[name]
     assert set(strategy.needs) == expected
     global_P, stacks = make_inputs(3, 20, 0)
     kept = {k: v for k, v in stacks.items() if k in strategies.ALWAYS | strategy.needs}

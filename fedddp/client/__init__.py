@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from ..data import ClientData
 from ..flat import FlatLayout
+from ..tasks import CLASSIFICATION, Task
 from .optim import build_optimizer, epoch_end, lr_at
 from .rules import LocalRule
 
@@ -32,6 +32,7 @@ class ClientContext:
     server_view: dict[str, torch.Tensor] = field(default_factory=dict)  # broadcast server state
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # this client's persistent state
     scratch: dict = field(default_factory=dict)  # a rule's working tensors between its hooks (not kept)
+    task: Task = CLASSIFICATION  # the data's loss (cross-entropy or MSE), fedddp.tasks
 
 
 def _batches_per_epoch(n: int, batch_size: int) -> int:
@@ -85,14 +86,14 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     out["num_samples"] = torch.tensor(float(n))
     out["num_steps"] = torch.tensor(float(total_steps))
     if "full_grad_KP" in needs:
-        out["full_loss"] = full_batch_gradient(model, data, ctx.layout, out["full_grad_P"])
+        out["full_loss"] = full_batch_gradient(model, data, ctx.layout, out["full_grad_P"], ctx.task)
     if "eff_rank_KL" in needs:
         from ..metrics.effective_rank import effective_ranks_L
         out["eff_rank_L"] = effective_ranks_L(model, ctx.layout, ctx.hp.feder_unfold)
 
 
 def full_batch_gradient(model, data: ClientData, layout: FlatLayout, out_P: torch.Tensor,
-                        chunk: int = 1024) -> torch.Tensor:
+                        task: Task = CLASSIFICATION, chunk: int = 1024) -> torch.Tensor:
     """D_k and L_k of the corrective gradient weights: the gradient of the client's mean loss over
     all its samples at its trained model, in eval mode (BatchNorm uses running statistics, so the
     gradient is that of a fixed function). Chunked so memory does not grow with n."""
@@ -102,7 +103,7 @@ def full_batch_gradient(model, data: ClientData, layout: FlatLayout, out_P: torc
     total = torch.zeros((), dtype=torch.float64)
     for start in range(0, n, chunk):
         x, y = data.x[start:start + chunk], data.y[start:start + chunk]
-        loss = F.cross_entropy(model(x), y, reduction="sum") / n
+        loss = task.loss(model(x), y, reduction="sum") / n
         loss.backward()
         total += loss.detach().double().cpu()
     layout.flatten_grads(model, out=out_P)

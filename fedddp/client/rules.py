@@ -8,7 +8,7 @@ A rule has three hooks, called by ``train_client``:
                                      working tensors in ctx.scratch)
   gradient(model, x, y, ctx) -> loss fill each parameter's .grad for this minibatch (the direction
                                      the optimizer steps along); return the minibatch's data loss
-                                     (cross-entropy at w, detached use only)
+                                     (the task's loss at w, detached use only)
   end(model, ctx, num_steps, lr, out) once, after the last step: update ctx.state and write the
                                      report fields the rule produces into ``out`` (views into the
                                      gather buffer, keys as in fedddp.round.VECTOR_FIELDS;
@@ -29,6 +29,11 @@ The rules of seed 002's FedGAM paper and its baselines (formulas: docs/algorithm
 Extra forward-backward passes (SAM, GAM, SMOO) run at a perturbed point and restore the
 parameters bit for bit afterwards; they do not update BatchNorm running statistics (only the
 first pass at w does, as in the public SAM/GAM code).
+
+The data loss is the task's (ctx.task.loss: cross-entropy for classification, MSE for
+regression; fedddp.tasks), so the rules are written once for both; "CE" in the formulas stands
+for it. MOON alone is classification-only (its projection head feeds a classifier; a regression
+run with it is a configuration error), and its contrastive term is its own cross-entropy.
 """
 
 from __future__ import annotations
@@ -82,10 +87,10 @@ def _shifted(model, params, shift):
                 b.copy_(s)
 
 
-def _grads_at(model, x, y, params, shift) -> tuple[torch.Tensor, ...]:
+def _grads_at(model, x, y, params, shift, loss_fn) -> tuple[torch.Tensor, ...]:
     """Minibatch gradient at w + shift (an extra pass: BatchNorm statistics untouched)."""
     with _shifted(model, params, shift):
-        return torch.autograd.grad(F.cross_entropy(model(x), y), params)
+        return torch.autograd.grad(loss_fn(model(x), y), params)
 
 
 def _ascent(grads, rho: float, eps: float) -> list[torch.Tensor]:
@@ -107,13 +112,13 @@ class LocalRule:
     # report stacks the rule fills in its end hook (a server rule that needs one of these needs
     # a local rule that writes it)
     reports: tuple[str, ...] = ()
-    doc = "Plain local SGD (or the configured optimizer) on the cross-entropy loss."
+    doc = "Plain local SGD (or the configured optimizer) on the task's loss (cross-entropy or MSE)."
 
     def begin(self, model, ctx) -> None:
         pass
 
     def gradient(self, model, x, y, ctx):
-        loss = F.cross_entropy(model(x), y)
+        loss = ctx.task.loss(model(x), y)
         loss.backward()
         return loss
 
@@ -212,7 +217,7 @@ class Moon(LocalRule):
 
     def gradient(self, model, x, y, ctx):
         z = _represent(model, x)
-        loss = F.cross_entropy(model.head(z), y)
+        loss = ctx.task.loss(model.head(z), y)
         total = loss
         if len(ctx.scratch["frozen"]) == 2:
             glob, prev = ctx.scratch["frozen"]
@@ -247,13 +252,13 @@ class Sam(LocalRule):
 
     def gradient(self, model, x, y, ctx):
         params = _params(model)
-        loss = F.cross_entropy(model(x), y)
+        loss = ctx.task.loss(model(x), y)
         grads = torch.autograd.grad(loss, params)
         _set_grads(params, self.direction(model, x, y, ctx, params, grads))
         return loss.detach()
 
     def direction(self, model, x, y, ctx, params, grads):
-        return _grads_at(model, x, y, params, _ascent(grads, self.rho(ctx), self.eps))
+        return _grads_at(model, x, y, params, _ascent(grads, self.rho(ctx), self.eps), ctx.task.loss)
 
 
 class Gam(Sam):
@@ -269,7 +274,7 @@ class Gam(Sam):
 
     def direction(self, model, x, y, ctx, params, grads):
         rho, alpha = ctx.hp.gam_rho, ctx.hp.gam_alpha
-        adv = _grads_at(model, x, y, params, _ascent(grads, rho, self.eps))
+        adv = _grads_at(model, x, y, params, _ascent(grads, rho, self.eps), ctx.task.loss)
         return [torch.add(g, a, alpha=alpha * rho) for g, a in zip(grads, adv)]
 
 
@@ -308,7 +313,7 @@ class Smoo(LocalRule):
 
     def gradient(self, model, x, y, ctx):
         params = _params(model)
-        loss = F.cross_entropy(model(x), y)
+        loss = ctx.task.loss(model(x), y)
         grads = torch.autograd.grad(loss, params)
         mu, s = ctx.scratch["mu"], ctx.scratch["s"]
         corrected = [g - m - s_ for g, m, s_ in zip(grads, mu, s)]
@@ -316,7 +321,7 @@ class Smoo(LocalRule):
         with torch.no_grad():
             for m, e, s_ in zip(mu, shift, s):
                 m.add_(e - s_)
-        adv = _grads_at(model, x, y, params, shift)
+        adv = _grads_at(model, x, y, params, shift, ctx.task.loss)
         lam = ctx.hp.smoo_lambda
         with torch.no_grad():
             # lambda (w - w_global + h_k) = lambda (w - anchor), anchor = w_global - h_k

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData, idx, partition, synthetic, vision
+from . import ClientData, FederatedData, cmapss, colored, idx, leaf, partition, synthetic, vision
 from ..errors import ConfigError, DataError
 
 _HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generator
@@ -26,20 +26,26 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
     assert all(0 <= k < data.num_clients for k in owned_ids), (owned_ids, data.num_clients)
     if data.name == "synthetic":
         return synthetic.build(data, seed, owned_ids)
+    if data.name == "cmapss":
+        return cmapss.build(data, cfg.data_root(), owned_ids)
+    if data.name == "femnist":
+        return leaf.build(data, cfg.data_root(), owned_ids)
 
     if not 0.0 <= data.holdout_from_test < 1.0:
         raise ConfigError(f"data.holdout_from_test: must be in [0, 1), got {data.holdout_from_test}")
     holdout = data.holdout_from_test > 0
     root = cfg.data_root()
-    if data.name in idx.FOLDERS:
-        train, test = idx.load(root, data.name, with_train=not holdout, download=data.download)
-        (mean_C, std_C), num_classes = idx.STATS[data.name], 10
+    source = "mnist" if data.name == "colored_mnist" else data.name  # colored MNIST paints MNIST digits
+    if source in idx.FOLDERS:
+        train, test = idx.load(root, source, with_train=not holdout, download=data.download)
+        (mean_C, std_C), num_classes = idx.STATS[source], 10
     elif data.name in vision.STATS:
         train, test = vision.load(root, data.name, download=data.download)
         (mean_C, std_C), num_classes = vision.STATS[data.name], vision.NUM_CLASSES[data.name]
     else:
-        raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: synthetic, "
-                          f"{', '.join([*idx.FOLDERS, *vision.STATS])})")
+        from ..config import DataConfig  # the one list of data set names
+        valid = DataConfig.__dataclass_fields__["name"].metadata["choices"]
+        raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: {', '.join(valid)})")
     if holdout:
         train, test = holdout_split(test, data.holdout_from_test, seed)
     for _, labels in (train, test):
@@ -49,6 +55,8 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
 
     images_NCHW, labels_N = train
     parts = _partition(labels_N, data, seed)
+    if data.name == "colored_mnist":  # partitioned by digit, whatever label the variant predicts
+        return colored.build(data, seed, train, test, parts, owned_ids)
     owned = set(owned_ids)
     train_data = {k: ClientData(to_tensor(images_NCHW[parts[k]], mean_C, std_C),
                                 torch.from_numpy(labels_N[parts[k]]))
@@ -86,4 +94,9 @@ def _partition(labels_N: np.ndarray, data, seed: int) -> list[np.ndarray]:
         return partition.dirichlet(labels_N, data.num_clients, data.dirichlet_alpha, seed)
     if data.partition == "shards":
         return partition.shards(labels_N, data.num_clients, data.shards_per_client, seed)
-    raise ConfigError(f"data.partition: unknown {data.partition!r} (valid: iid, dirichlet, shards)")
+    if data.partition == "classes":
+        return partition.classes(labels_N, data.num_clients, data.shards_per_client, seed)
+    if data.partition == "natural":
+        raise ConfigError(f"data.partition: {data.name} has no natural clients (femnist has: its writers); "
+                          "use iid, dirichlet, shards or classes")
+    raise ConfigError(f"data.partition: unknown {data.partition!r} (valid: iid, dirichlet, shards, classes, natural)")

@@ -72,3 +72,37 @@ def shards(labels_N: np.ndarray, num_clients: int, shards_per_client: int, seed:
     shard_list = np.array_split(by_label_N, num_shards)
     shard_ids_KS = rng.permutation(num_shards).reshape(num_clients, shards_per_client)
     return [np.sort(np.concatenate([shard_list[s] for s in row])).astype(np.int64) for row in shard_ids_KS]
+
+
+def classes(labels_N: np.ndarray, num_clients: int, classes_per_client: int, seed: int) -> list[np.ndarray]:
+    """Each client holds exactly ``classes_per_client`` classes and about equal numbers of their
+    samples (FedGMA's non-IID colored MNIST: "exactly two digits" per client, which ``shards``
+    does not guarantee when class sizes are not multiples of the shard size). The K * s class slots
+    are spread as evenly as possible over the classes; each client takes the s classes with the
+    most slots left (ties broken at random), which always leaves s distinct classes for the rest;
+    the clients holding a class split its shuffled samples into near-equal parts. Client sizes
+    are about equal when K * s is a multiple of the number of classes; otherwise a class held by
+    one client fewer gives its holders bigger parts (up to about twice as big)."""
+    class_ids_C = np.unique(labels_N)
+    num_classes, s = len(class_ids_C), classes_per_client
+    if not 1 <= s <= num_classes:
+        raise ConfigError(f"data.shards_per_client: partition = classes gives each client {s} classes but the "
+                          f"data have {num_classes}; use 1 to {num_classes}")
+    if num_clients * s < num_classes:
+        raise ConfigError(f"data.num_clients: {num_clients} clients x {s} classes leave some of the {num_classes} "
+                          f"classes unused; raise data.num_clients or data.shards_per_client")
+    rng = np.random.default_rng(seed)
+    slots_C = np.full(num_classes, num_clients * s // num_classes)
+    slots_C[rng.permutation(num_classes)[:num_clients * s % num_classes]] += 1
+    holders_C: list[list[int]] = [[] for _ in range(num_classes)]
+    for k in range(num_clients):
+        for c in np.lexsort((rng.random(num_classes), -slots_C))[:s]:  # most slots left first
+            slots_C[c] -= 1
+            holders_C[c].append(k)
+    owner_N = np.empty(len(labels_N), dtype=np.int64)
+    for c, holders in enumerate(holders_C):
+        idx_c = rng.permutation(np.flatnonzero(labels_N == class_ids_C[c]))
+        _check_enough(len(idx_c), len(holders), f"the classes partition (class {class_ids_C[c]})")
+        for k, part in zip(holders, np.array_split(idx_c, len(holders))):
+            owner_N[part] = k
+    return _groups(owner_N, num_clients)

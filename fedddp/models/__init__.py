@@ -1,10 +1,11 @@
-"""Models: logistic regression, MLP, the two-5x5-conv CNN of seed 002, ResNet-18 (CIFAR stem).
+"""Models: logistic regression, MLP, the two-5x5-conv CNN of seed 002, ResNet-18 (CIFAR stem),
+and seed 004's FFNN regressor.
 
 Every model is ``head(projection(features(x)))``: ``features`` gives the representation,
 ``projection`` is the identity except for MOON clients with ``algorithm.moon_proj_dim > 0``
 (MOON's projection head: Linear(d, d), ReLU, Linear(d, out); the classifier then reads its
-output, as in MOON's code), and ``head`` is the final linear classifier. ``represent(x)`` is
-what MOON's contrastive term compares.
+output, as in MOON's code), and ``head`` is the final linear classifier (the FFNN's: a linear
+layer and a sigmoid). ``represent(x)`` is what MOON's contrastive term compares.
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ def cnn(input_shape, num_classes) -> Net:
     return Net(features, nn.Linear(512, num_classes))
 
 
+def ffnn(input_shape, num_outputs: int = 1) -> Net:
+    """Seed 004's feed-forward regressor: hidden layers of 20, 30 and 20 tanh units and one
+    sigmoid output, the predicted health percentage in (0, 1)."""
+    features = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), 20), nn.Tanh(),
+                             nn.Linear(20, 30), nn.Tanh(), nn.Linear(30, 20), nn.Tanh())
+    return Net(features, nn.Sequential(nn.Linear(20, num_outputs), nn.Sigmoid()))
+
+
 def resnet18(input_shape, num_classes) -> Net:
     """torchvision's ResNet-18 with the CIFAR stem: a 3x3 stride-1 first conv and no max pool
     (the 7x7/stride-2 ImageNet stem throws away most of a 32x32 image)."""
@@ -76,7 +85,8 @@ def build_model(cfg, input_shape, num_classes) -> Net:
     if name == "mlp":
         net = mlp(input_shape, num_classes, cfg.model.hidden)
     else:
-        net = {"logistic": logistic, "cnn": cnn, "resnet18": resnet18}[name](input_shape, num_classes)
+        builders = {"logistic": logistic, "cnn": cnn, "resnet18": resnet18, "ffnn": ffnn}
+        net = builders[name](input_shape, num_classes)
     from ..algorithms import resolve  # late: algorithms imports the strategy registry
     if resolve(cfg)[0] == "moon" and cfg.algorithm.moon_proj_dim > 0:
         net = add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)

@@ -1,6 +1,7 @@
 """Server rules: pure functions over the stacked client reports, in a registry by name.
 
-Legend: K sampled clients (rows ordered by client id), P flat parameters, L conv layers.
+Legend: K sampled clients (rows ordered by client id), P flat parameters, L conv layers,
+R runs of columns.
 
 A rule is ``aggregate(global_P, stacks, state, hp) -> (new_global_P, new_state, diagnostics)``:
 no torch.distributed, no logging, no ``.item()``, no Python loop over clients or parameters.
@@ -20,7 +21,8 @@ gets), each a tensor whose name ends in its shape:
 
 Static entries, fixed for the run and not client reports, added when a rule names them in needs:
 
-  conv_group_P     int64   [P]     conv layer each element follows, -1 before the first (FedER)
+  conv_runs_R3     int64   [R, 3]  runs of columns following one conv layer: start, stop, layer
+                                   (-1 before the first conv layer)                   (FedER)
   param_mask_P     bool    [P]     True for parameters, False for buffers          (FedSMOO)
   num_clients      float32 []      N, all clients                       (SCAFFOLD, FedSMOO)
   client_momentum  float32 []      the clients' SGD momentum rho                    (FedNova)
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from . import kernels
 
 Stacks = dict[str, torch.Tensor]
 State = dict[str, torch.Tensor]
@@ -89,8 +93,14 @@ def client_weights_K(stacks: Stacks, hp) -> torch.Tensor:
 
 
 def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Tensor:
-    """sum_k w_k rows_k as one matrix-vector product (one pass over [K, P])."""
-    return weights_K.to(rows_KP.dtype) @ rows_KP
+    """sum_k w_k rows_k in one pass over [K, P]: the fused CPU kernel (whose client-order sums
+    every other kernel repeats, so a rule's neutral setting gives these bits), else one
+    matrix-vector product."""
+    lib = kernels.lib(rows_KP)
+    if lib is None:
+        return weights_K.to(rows_KP.dtype) @ rows_KP
+    bounds_R1 = torch.tensor([0, rows_KP.shape[1]])
+    return kernels.mix(lib, rows_KP, weights_K[None], bounds_R1)
 
 
 def column_block(num_rows: int, device: torch.device) -> int:

@@ -13,15 +13,15 @@ A client with ||D_k|| = 0 has no direction to weigh (eq. 29 divides by it): it g
 is left out of c and of the sums (it adds nothing to D either); the count is a diagnostic. If
 every client is zero, or the m_k all vanish, the correction is zero: never NaN. alpha = 0
 gives x = 0 exactly, so the result is FedAvg's vector bit for bit.
-The K x K algebra runs in float64 (it is tiny); the two passes over D (Gram, correction) stay
-float32. Legend: K sampled clients, P flat parameters.
+The K x K algebra runs in float64 (it is tiny); the two passes over D (Gram, then the average
+and the correction together, fused on CPU) stay float32. Legend: K sampled clients, P flat parameters.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import Strategy, client_weights_K, column_block, register, weighted_mean_P
+from . import Strategy, client_weights_K, column_block, kernels, register, weighted_mean_P
 
 
 # Up to this many clients the Gram matrix G = D D^T (one matmul, K^2 P multiply-adds) gives
@@ -75,14 +75,18 @@ def norms_and_agreement_K(grads_KP: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def aggregate(global_P, stacks, state, hp):
     params_KP, grads_KP = stacks["params_KP"], stacks["full_grad_KP"]
-    mean_P = weighted_mean_P(client_weights_K(stacks, hp), params_KP)
+    weights_K = client_weights_K(stacks, hp)
     sq_norm_K, m_K = norms_and_agreement_K(grads_KP)
     x_K, c, num_zero = corrective_weights_K(sq_norm_K, m_K, stacks["full_loss_K"],
                                             float(hp.cgw_alpha))
     x_K = x_K.to(params_KP.dtype)
-    # - sum_k x_k D_k, added into the average in place (no second [P] output): x = 0 adds
-    # exact zeros, so alpha = 0 still returns FedAvg's vector bit for bit
-    new_global_P = mean_P.addmv_(grads_KP.T, x_K, alpha=-1.0)
+    lib = kernels.lib(params_KP, grads_KP)
+    if lib is not None:   # the average and the correction in one pass over W and D
+        new_global_P = kernels.cgw(lib, params_KP, grads_KP, weights_K, x_K)
+    else:
+        # - sum_k x_k D_k, added into the average in place (no second [P] output): x = 0 adds
+        # exact zeros, so alpha = 0 still returns FedAvg's vector bit for bit
+        new_global_P = weighted_mean_P(weights_K, params_KP).addmv_(grads_KP.T, x_K, alpha=-1.0)
     diagnostics = {"cgw_x": x_K, "cgw_c": c.to(params_KP.dtype),
                    "cgw_zero_grad_clients": num_zero.to(params_KP.dtype)}
     return new_global_P, state, diagnostics

@@ -14,7 +14,8 @@ Our choices where the paper is silent:
   - within the chosen group clients are weighted by p_k renormalised over the group
     (hp.weighting = "uniform" gives the plain mean of the group).
 
-Per block of columns: a matrix-vector product for the all-clients sum (it reads the block from
+On CPU one fused kernel (kernels.c) does all of it in a single pass, with every per-column
+count and sum in registers. Elsewhere, per block of columns: a matrix-vector product for the all-clients sum (it reads the block from
 memory), the 0/1 indicators of the two groups (one [2K, B] buffer, in cache), one matmul for the
 group counts and p-sums, an in-place product with the params and one matmul for the
 group-weighted sums: the params are read from memory once, every reduction is a matmul. The
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Strategy, client_weights_K, column_block, min_agreeing, register
+from . import Strategy, client_weights_K, column_block, kernels, min_agreeing, register
 
 
 # Columns of the per-column statistics collected before the group choice runs over them: the
@@ -43,6 +44,11 @@ def aggregate(global_P, stacks, state, hp):
     dtype, device = params_KP.dtype, params_KP.device
     weights_K = client_weights_K(stacks, hp)
     need = max(1, min_agreeing(hp.cong_alpha, num_clients))  # >= 1: an empty group never qualifies
+    lib = kernels.lib(params_KP, global_P)
+    if lib is not None:
+        new_global_P, took_pos, took_neg = kernels.fedcong(lib, params_KP, weights_K, global_P, need)
+        took_2 = torch.tensor([took_pos, took_neg], dtype=torch.float64) / num_params
+        return new_global_P, state, _diagnostics(took_2, dtype)
     # alpha > 1/2: at most one group can qualify, so the choice is just the two thresholds
     exclusive = 2 * need > num_clients
     ones_K, zeros_K = torch.ones_like(weights_K), torch.zeros_like(weights_K)
@@ -109,9 +115,13 @@ def aggregate(global_P, stacks, state, hp):
         work_B[13:15].add_(take_2B)
 
     took_2 = work[13:15].sum(1, dtype=torch.float64) / num_params
-    diagnostics = {"cong_positive": took_2[0].to(dtype), "cong_negative": took_2[1].to(dtype),
-                   "cong_all": (1.0 - took_2.sum()).to(dtype)}
-    return new_global_P, state, diagnostics
+    return new_global_P, state, _diagnostics(took_2, dtype)
+
+
+def _diagnostics(took_2: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
+    """Fractions of the coordinates that took the positive group, the negative one, all."""
+    return {"cong_positive": took_2[0].to(dtype), "cong_negative": took_2[1].to(dtype),
+            "cong_all": (1.0 - took_2.sum()).to(dtype)}
 
 
 FEDCONG = register(Strategy("fedcong", aggregate, doc=__doc__))

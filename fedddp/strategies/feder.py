@@ -5,14 +5,15 @@ effective rank of that layer.
   alpha_kl = er_kl / sum_k er_kl
   W_l      = sum_k alpha_kl W_kl        (not sample-weighted)
 Every other element (bias, BatchNorm, FC, and buffers) takes the alpha of the conv layer it
-follows (``conv_group_P``, from the flat layout); elements before the first conv layer take
+follows (the flat layout's ``conv_group_P``); elements before the first conv layer take
 uniform weights 1/K. Freshly initialised kernels have EVBMF rank 0, so early rounds clamp every
 client to 1e-3 and reduce to the uniform mean (expected).
 
-conv_group_P is constant over each tensor of the layout, so the rule walks its runs (R of them,
-at most one per tensor: 40 for ResNet-18 with buffers) and does one matrix-vector product per
-run with that run's column of the small [K, L+1] weight table (column 0 = uniform): no [K, P]
-weight matrix is built and the params are read once. Diagnostics: alpha_KL.
+The layout's runs of columns that follow one conv layer (``conv_runs_R3``: at most one per
+tensor, 62 for ResNet-18 with buffers) each take one column of the small [K, L+1] weight table
+(column 0 = uniform): one fused pass over the params on CPU (the same kernel as FedAvg, with a
+weight vector per run), one matrix-vector product per run elsewhere. No [K, P] weight matrix
+is built and the params are read once. Diagnostics: alpha_KL.
 Legend: K sampled clients, P flat parameters, L conv layers, R runs of equal conv group.
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Strategy, register
+from . import Strategy, kernels, register
 
 MIN_RANK = 1e-3
 
@@ -37,19 +38,17 @@ def aggregate(global_P, stacks, state, hp):
     uniform_K1 = torch.full((num_clients, 1), 1.0 / num_clients, dtype=params_KP.dtype,
                             device=params_KP.device)
     table_KG = torch.cat([uniform_K1, alpha_KL.to(params_KP.device)], dim=1)  # G = L + 1
-    # Runs of equal conv_group_P: at most one per tensor of the layout. Reading their bounds is
-    # the one host sync of this rule. The +1 (group -1 -> table column 0) is applied to the R
-    # run values, not to the int64 [P] vector: a fresh 8P-byte temporary cost more than the
-    # averaging itself at K = 4.
-    groups_R, lengths_R = torch.unique_consecutive(stacks["conv_group_P"], return_counts=True)
+    runs_R3 = stacks["conv_runs_R3"]
+    weights_RK = table_KG[:, runs_R3[:, 2].to(table_KG.device) + 1].T
+    lib = kernels.lib(params_KP)
+    if lib is not None:
+        bounds_R1 = torch.cat([runs_R3[:, 0], runs_R3[-1:, 1]]).cpu()
+        return kernels.mix(lib, params_KP, weights_RK, bounds_R1), state, {"feder_alpha": alpha_KL}
     new_global_P = torch.empty_like(global_P)
-    start = 0
-    for group, length in zip(groups_R.tolist(), lengths_R.tolist()):
-        cols = slice(start, start + length)
-        torch.mv(params_KP[:, cols].T, table_KG[:, group + 1], out=new_global_P[cols])
-        start += length
+    for r, (start, stop, _) in enumerate(runs_R3.tolist()):  # one host sync: the run bounds
+        torch.mv(params_KP[:, start:stop].T, weights_RK[r], out=new_global_P[start:stop])
     return new_global_P, state, {"feder_alpha": alpha_KL}
 
 
-FEDER = register(Strategy("feder", aggregate, needs=frozenset({"eff_rank_KL", "conv_group_P"}),
+FEDER = register(Strategy("feder", aggregate, needs=frozenset({"eff_rank_KL", "conv_runs_R3"}),
                           doc=__doc__))

@@ -14,9 +14,11 @@ The threshold p K is taken as the integer ceil(p K) with a 1e-9 slack, so that e
 K = 25 (0.28 * 25 = 7.000000000000001 in floating point) asks for 7 agreeing clients.
 With gma_grad = "delta" the clients send no gradient: the delta is computed from params_KP.
 
-The mask needs sign(g) over [K, P]; it is computed a block of columns at a time so that the
-[K, B] temporaries stay in cache (and memory stays flat for large K), G is read from memory
-once, and both reductions over clients are matrix-vector products.
+On CPU one fused kernel (kernels.c) reads W and G once and forms the mean, the weighted
+gradient, the sign count and the mask per column in registers. Elsewhere the mask needs sign(g)
+over [K, P]; it is computed a block of columns at a time so that the [K, B] temporaries stay in
+cache (and memory stays flat for large K), G is read from memory once, and both reductions over
+clients are matrix-vector products.
 Legend: K sampled clients, P flat parameters, B columns in a block.
 """
 
@@ -24,18 +26,26 @@ from __future__ import annotations
 
 import torch
 
-from . import Strategy, client_weights_K, column_block, min_agreeing, register, weighted_mean_P
+from . import (Strategy, client_weights_K, column_block, kernels, min_agreeing, register,
+               weighted_mean_P)
 
 
 def aggregate(global_P, stacks, state, hp):
     params_KP = stacks["params_KP"]
     num_clients, num_params = params_KP.shape
     weights_K = client_weights_K(stacks, hp)
-    mean_P = weighted_mean_P(weights_K, params_KP)
     use_delta = hp.gma_grad == "delta"
     soft = hp.gma_mask == "soft"
     need = min_agreeing(hp.gma_threshold, num_clients)
+    grads_KP = None if use_delta else stacks["last_grad_KP"]
+    lib = kernels.lib(params_KP, global_P, *([] if use_delta else [grads_KP]))
+    if lib is not None:
+        new_global_P, mask_sum = kernels.fedgma(lib, params_KP, grads_KP, weights_K, global_P, need,
+                                                soft, float(hp.server_lr))
+        density = torch.tensor(mask_sum / num_params, dtype=params_KP.dtype)
+        return new_global_P, state, {"mask_density": density}
 
+    mean_P = weighted_mean_P(weights_K, params_KP)
     grad_P = torch.empty_like(mean_P)
     mask_P = torch.empty_like(mean_P)
     ones_K = torch.ones_like(weights_K)
@@ -51,7 +61,7 @@ def aggregate(global_P, stacks, state, hp):
         if use_delta:
             grads_KB = torch.sub(global_P[cols], params_KP[:, cols], out=temp_KB)  # w - w_k
         else:
-            grads_KB = stacks["last_grad_KP"][:, cols]
+            grads_KB = grads_KP[:, cols]
         torch.mv(grads_KB.T, weights_K, out=mean_grad_B)                   # sum_k p_k g_kj
         signs_KB = torch.sign(grads_KB, out=temp_KB)
         torch.mv(signs_KB.T, ones_K, out=agree_B).abs_()                   # |sum_k sign(g_kj)|

@@ -1,0 +1,54 @@
+"""What a data set asks of the model: its training loss and its test metric, per task kind.
+
+  classification  y: int64 class labels [N]; model output: logits [N, C]
+                  loss cross-entropy; test metric accuracy   (metrics.jsonl: test_accuracy)
+  regression      y: float32 targets [N];    model output: [N, 1]
+                  loss MSE;           test metric MAE        (metrics.jsonl: test_mae)
+
+Every place that turns a model output into a loss (the local rules, CGW's full-batch gradient,
+evaluation) goes through ``get(task)``, so the local rules are written once for every task and a
+new task kind is one entry here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class Task(NamedTuple):
+    name: str
+    loss: Callable[..., torch.Tensor]  # (output, y, reduction="mean") -> loss
+    metric_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, y) -> sum over samples
+    metric_key: str  # the metrics.jsonl key of the test metric (mean of metric_sum)
+
+
+def _mse(output_N1: torch.Tensor, target_N: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return F.mse_loss(output_N1.squeeze(1), target_N, reduction=reduction)
+
+
+def _correct(logits_NC: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
+    return (logits_NC.argmax(1) == labels_N).sum()
+
+
+def _abs_error(output_N1: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
+    return (output_N1.squeeze(1) - target_N).abs().sum()
+
+
+TASKS = {"classification": Task("classification", F.cross_entropy, _correct, "test_accuracy"),
+         "regression": Task("regression", _mse, _abs_error, "test_mae")}
+CLASSIFICATION = TASKS["classification"]
+
+# data.name -> task kind, for the checks that run before any data is read (config validation);
+# the data builders set FederatedData.task to the same value.
+REGRESSION_DATA = ("cmapss",)
+
+
+def of_data(data_name: str) -> str:
+    return "regression" if data_name in REGRESSION_DATA else "classification"
+
+
+def get(name: str) -> Task:
+    return TASKS[name]
