@@ -53,15 +53,19 @@ def files(root: str, subset: str) -> dict[str, str]:
     return {kind: os.path.join(folder, f"{kind}_{subset}.txt") for kind in ("train", "test", "RUL")}
 
 
+def _load(path: str, what: str, expected: str, ndmin: int) -> np.ndarray:
+    """np.loadtxt, with an unreadable or unparsable file as a one-line DataError."""
+    try:
+        return np.loadtxt(path, dtype=np.float64, ndmin=ndmin)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot read {what} ({exc})") from None
+    except ValueError as exc:
+        raise DataError(f"{path}: not a {what} ({exc}); expected {expected}, fetch it again") from None
+
+
 def read_table(path: str) -> np.ndarray:
     """One train/test file -> float64 [N, 26]; a file that is not in that format raises DataError."""
-    try:
-        table = np.loadtxt(path, dtype=np.float64, ndmin=2)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read CMAPSS file ({exc})") from None
-    except ValueError as exc:
-        raise DataError(f"{path}: not a CMAPSS file ({exc}); expected {NUM_COLUMNS} space-separated "
-                        "numbers per line, fetch it again") from None
+    table = _load(path, "CMAPSS file", f"{NUM_COLUMNS} space-separated numbers per line", ndmin=2)
     if table.shape[0] == 0 or table.shape[1] != NUM_COLUMNS:
         raise DataError(f"{path}: not a CMAPSS file ({table.shape[0]} rows of {table.shape[1]} columns; "
                         f"expected {NUM_COLUMNS} columns: unit, cycle, 3 settings, 21 sensors); fetch it again")
@@ -75,13 +79,7 @@ def read_table(path: str) -> np.ndarray:
 
 def read_rul(path: str, num_units: int) -> np.ndarray:
     """RUL file -> float64 [U]: the true remaining cycles of each test unit, in unit order."""
-    try:
-        rul_U = np.loadtxt(path, dtype=np.float64, ndmin=1)
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read CMAPSS RUL file ({exc})") from None
-    except ValueError as exc:
-        raise DataError(f"{path}: not a CMAPSS RUL file ({exc}); expected one integer per line, "
-                        "fetch it again") from None
+    rul_U = _load(path, "CMAPSS RUL file", "one integer per line", ndmin=1)
     if rul_U.ndim != 1 or len(rul_U) != num_units or (rul_U < 0).any():
         raise DataError(f"{path}: expected one non-negative integer per test unit ({num_units} units in "
                         f"the test file), got {rul_U.size} values; fetch it again")
