@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import ClientData, FederatedData
+
 _CLIENT_STREAM = 0x434D_0001  # domain tags of the generator streams (see synthetic.py)
 _TEST_STREAM = 0x434D_0002
 _FLIP_STREAM = 0x434D_0003
