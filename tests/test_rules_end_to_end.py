@@ -55,3 +55,18 @@ def test_gam_clients_with_feder_aggregation(tmp_path):
     check_invariant(tmp_path, "feder", MNIST_CNN, [
         f"data.root={REAL_MNIST}", "algorithm.local=gam", "run.rounds=2", "train.local_steps=3",
         "run.eval_every=2", "run.ckpt_every=0"])
+
+
+@pytest.mark.slow
+def test_fedmom_server_state_survives_a_stop_and_resume(tmp_path):
+    """FedMom's state (the previous global model) goes into the checkpoint: stopped after round
+    2 on one rank and resumed on two, the run ends where the uninterrupted one does."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = ["algorithm.name=fedmom", "run.rounds=4", "run.clients_per_round=7", "run.ckpt_every=1",
+            "run.eval_every=4"]
+    run_fedddp(args + [f"run.out_dir={full}"])
+    run_fedddp(args + [f"run.out_dir={part}", "run.stop_after=2"])
+    run_fedddp(args + [f"run.out_dir={part}", "run.resume=true"], nproc=2)
+    assert_same_state(final_state(full), final_state(part))
+    norms = [[row["velocity_norm"] for row in metrics(out)] for out in (full, part)]
+    assert norms[0] == norms[1] and len(norms[0]) == 4 and norms[0][2] > 0
