@@ -15,11 +15,12 @@ Our choices where the paper is silent:
     (hp.weighting = "uniform" gives the plain mean of the group).
 
 On CPU one fused kernel (kernels.c) does all of it in a single pass, with every per-column
-count and sum in registers. Elsewhere, per block of columns: a matrix-vector product for the all-clients sum (it reads the block from
-memory), the 0/1 indicators of the two groups (one [2K, B] buffer, in cache), one matmul for the
-group counts and p-sums, an in-place product with the params and one matmul for the
-group-weighted sums: the params are read from memory once, every reduction is a matmul. The
-group choice then runs over the statistics of a batch of blocks at once.
+count and sum in registers. Elsewhere (the torch-op form), per block of columns: a
+matrix-vector product for the all-clients sum (it reads the block from memory), the 0/1
+indicators of the two groups (one [2K, B] buffer, in cache), one matmul for the group counts
+and p-sums, an in-place product with the params and one matmul for the group-weighted sums:
+the params are read from memory once, every reduction is a matmul. The group choice then runs
+over the statistics of a batch of blocks at once.
 Diagnostics: the fraction of coordinates that took the positive group, the negative group, and
 all clients.
 Legend: K sampled clients, P flat parameters, B columns in a block.
