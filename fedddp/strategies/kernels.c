@@ -214,6 +214,13 @@ int fd_fedgma(const float *W, const float *G, int64_t K, int64_t ldw, int64_t ld
     return 0;
 }
 
+static void flush_counts(vi *lanes_pos, vi *lanes_neg, int64_t *pos, int64_t *neg, int64_t *chunks) {
+    for (int i = 0; i < LANES; i++) { *pos += (*lanes_pos)[i]; *neg += (*lanes_neg)[i]; }
+    *lanes_pos = (vi){0};
+    *lanes_neg = (vi){0};
+    *chunks = 0;
+}
+
 /* FedCong: per column, the p-weighted mean of the clients whose update agrees in sign
  * (w_kj > w_j or w_kj < w_j) when at least `need` of them do, else of all clients. When both
  * groups qualify (alpha <= 1/2) the larger count wins, ties to the positive group.
@@ -222,7 +229,8 @@ int fd_fedcong(const float *W, int64_t K, int64_t ld, int64_t P, const float *p,
                int32_t need, float *out, int64_t *took) {
     float *pad = malloc(sizeof(float) * LANES * K);
     if (!pad) return 1;
-    int64_t took_pos = 0, took_neg = 0;
+    int64_t took_pos = 0, took_neg = 0, chunks = 0;
+    vi lanes_pos = {0}, lanes_neg = {0};     /* per-lane counts, added up every 2^24 chunks */
     float p_total = 0.0f;                       /* the weight of "all clients", in client order */
     for (int64_t k = 0; k < K; k++) p_total += p[k];
     vf all_weight = splat(p_total);
@@ -255,11 +263,15 @@ int fd_fedcong(const float *W, int64_t K, int64_t ld, int64_t P, const float *p,
         vf num = pick(take_pos, w_pos, pick(take_neg, w_neg, w_all));
         vf den = pick(take_pos, p_pos, pick(take_neg, p_neg, all_weight));
         store_vec(out, col, width, num / den);
-        for (int i = 0; i < width; i++) {    /* comparisons give -1 / 0 */
-            took_pos -= take_pos[i];
-            took_neg -= take_neg[i];
+        if (width < LANES) {                 /* padded lanes took nothing */
+            take_pos &= LANE < (int32_t)width;
+            take_neg &= LANE < (int32_t)width;
         }
+        lanes_pos -= take_pos;               /* comparisons give -1 / 0 */
+        lanes_neg -= take_neg;
+        if (++chunks == (1 << 24)) flush_counts(&lanes_pos, &lanes_neg, &took_pos, &took_neg, &chunks);
     }
+    flush_counts(&lanes_pos, &lanes_neg, &took_pos, &took_neg, &chunks);
     took[0] = took_pos;
     took[1] = took_neg;
     free(pad);
