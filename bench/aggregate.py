@@ -207,7 +207,7 @@ def main() -> None:
     print(f"device: {name}; torch {torch.__version__}; clock: {clock_name}; "
           f"load average at start {load:.1f}; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}")
     # the fused C kernels where they apply (CPU), then the torch-op form for comparison
-    forms = ["c", "torch"] if device.type == "cpu" and not args.no_torch_form else ["torch"]
+    forms = ["torch"] if device.type != "cpu" else ["c"] if args.no_torch_form else ["c", "torch"]
     print(f"form of the rules: {kernels.describe(device)}")
     print(f"copy bandwidth (512 MiB tensor copy, read + write bytes): {bandwidth / 1e9:.1f} GB/s\n")
     print("| rule | K | P | stacks | ms/call | GB/s | ratio | torch-op ms | torch-op ratio "
