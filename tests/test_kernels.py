@@ -18,7 +18,7 @@ import torch
 
 from fedddp import strategies
 from fedddp.strategies import kernels
-from test_strategies import make_inputs, hp_of
+from test_strategies import as_gather_views, hp_of, make_inputs
 
 FUSED = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9), "fedcong": hp_of(cong_alpha=0.6),
          "fedcong_low_alpha": hp_of(cong_alpha=0.3),
@@ -27,17 +27,6 @@ FUSED = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9), "fedcong": hp_
          "feder": hp_of(), "cgw": hp_of(cgw_alpha=0.2)}
 
 needs_compiler = pytest.mark.skipif(kernels.lib(torch.zeros(1)) is None, reason="no working C compiler")
-
-
-def strided(stacks):
-    """The [K, P] stacks as column slices of one [K, F] buffer, as the round loop passes them."""
-    fields = ["params_KP", "last_grad_KP", "full_grad_KP"]
-    num_clients, num_params = stacks["params_KP"].shape
-    buffer_KF = torch.cat([stacks[f] for f in fields] + [torch.zeros(num_clients, 5)], dim=1)
-    out = dict(stacks)
-    for i, f in enumerate(fields):
-        out[f] = buffer_KF[:, num_params * i:num_params * (i + 1)]
-    return out
 
 
 def aggregate(name, global_P, stacks, state_seed=0):
@@ -54,7 +43,7 @@ def aggregate(name, global_P, stacks, state_seed=0):
 @pytest.mark.parametrize("num_clients,num_params", [(7, 3001), (40, 1500)])
 def test_fused_and_torch_forms_agree(name, num_clients, num_params, monkeypatch):
     global_P, stacks = make_inputs(num_clients, num_params, seed=num_clients, discrete=name == "fedcong")
-    stacks = strided(stacks)
+    stacks = as_gather_views(stacks)
     monkeypatch.setenv("FEDDDP_KERNELS", "c")
     fused_P, fused_state, fused_diag = aggregate(name, global_P, stacks)
     monkeypatch.setenv("FEDDDP_KERNELS", "torch")
@@ -102,7 +91,7 @@ def test_without_a_compiler_the_rules_fall_back_to_torch_ops(tmp_path):
     script = (
         "import torch, sys\n"
         "sys.path.insert(0, %r)\n"
-        "from test_strategies import make_inputs, hp_of\n"
+        "from test_strategies import hp_of, make_inputs\n"
         "from fedddp import strategies\n"
         "g, s = make_inputs(6, 700, seed=3)\n"
         "hp = hp_of(cong_alpha=0.5)\n"

@@ -67,6 +67,20 @@ def make_inputs(num_clients, num_params, seed, discrete=False):
     return global_P, stacks
 
 
+GATHERED = ["params_KP", "last_grad_KP", "full_grad_KP"]
+
+
+def as_gather_views(stacks):
+    """The [K, P] stacks as column slices of one [K, F] buffer (row stride F > P), the way
+    round.py hands them to the rules."""
+    num_clients, num_params = stacks["params_KP"].shape
+    buffer_KF = torch.cat([stacks[f] for f in GATHERED] + [torch.zeros(num_clients, 3)], dim=1)
+    views = dict(stacks)
+    for i, f in enumerate(GATHERED):
+        views[f] = buffer_KF[:, num_params * i:num_params * (i + 1)]
+    return views
+
+
 @pytest.fixture(autouse=True, params=["c", "torch"])
 def rule_form(request, monkeypatch):
     """Every test runs each rule in both forms: the fused C kernels (CPU) and the torch ops
@@ -485,12 +499,8 @@ def test_rules_accept_strided_views_of_the_gather_buffer(name):
     """round.py hands the rules column slices of one [K, F] gather buffer (row stride F > P)."""
     hp = RULE_HPS[name]
     global_P, stacks = make_inputs(4, 50, 9)
-    fields = ["params_KP", "last_grad_KP", "full_grad_KP"]
-    buffer_KF = torch.cat([stacks[f] for f in fields] + [torch.zeros(4, 3)], dim=1)
-    strided = dict(stacks)
-    for i, f in enumerate(fields):
-        strided[f] = buffer_KF[:, 50 * i:50 * (i + 1)]
-        assert not strided[f].is_contiguous()
+    strided = as_gather_views(stacks)
+    assert not any(strided[f].is_contiguous() for f in GATHERED)
     expected_P, _, _ = run(name, global_P, stacks, hp)
     got_P, _, _ = run(name, global_P, strided, hp)
     torch.testing.assert_close(got_P, expected_P, rtol=1e-6, atol=1e-7)
