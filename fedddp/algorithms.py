@@ -31,6 +31,40 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
 }
 
 
+# name -> the client weights p_k its paper or reference code averages with (algorithm.weighting =
+# auto; the sources are in docs/algorithms.md). samples: n_k / n over the sampled clients; uniform: 1/K.
+WEIGHTING: dict[str, str] = {
+    "fedavg": "samples",     # McMahan et al. 2017, n_k / n
+    "fedmom": "samples",     # seed 004, eq. 5
+    "fedcong": "samples",    # seed 004, eq. 1 (eq. 3 is silent within a group)
+    "fedgma": "samples",     # seed 001, sec. 3: weighted by the clients' numbers of examples
+    "cgw": "samples",        # seed 000, eq. 8: corrects W_FedAvg
+    "feder": "uniform",      # seed 003, Alg. 4: its own per-layer weights, 1/K where it has none
+    "fedprox": "samples",    # FedProx's code weights by sample count (its Alg. 2 samples by p_k instead)
+    "scaffold": "uniform",   # SCAFFOLD Alg. 1: 1/|S|
+    "fednova": "samples",    # FedNova: p_i = n_i / n
+    "moon": "samples",       # MOON Alg. 1 and code: |D_i| / |D| over the round's clients
+    "fedsam": "uniform",     # FL-Simulator's FedSAM (the code seed 002's baselines follow): mean
+    "fedgam": "uniform",     # seed 002, Alg. 1 line 12
+    "fedgam_cv": "uniform",  # seed 002, Alg. 2 line 15
+    "fedsmoo": "uniform",    # FL-Simulator's FedSMOO: mean
+}
+
+
+def weighting_of(hp) -> str:
+    """The run's client weighting, samples or uniform: algorithm.weighting, or with auto the one of
+    algorithm.name's paper (WEIGHTING). ``hp`` is an AlgorithmConfig."""
+    weighting = getattr(hp, "weighting", "samples")
+    return WEIGHTING[hp.name] if weighting == "auto" else weighting
+
+
+def describe(cfg) -> str:
+    """The algorithm as the rank-0 start line names it, e.g.
+    'fedgam: gam clients, fedavg server rule, uniform weights'."""
+    local, server = resolve(cfg)
+    return f"{cfg.algorithm.name}: {local} clients, {server} server rule, {weighting_of(cfg.algorithm)} weights"
+
+
 def resolve(cfg) -> tuple[str, str]:
     """(local rule, server rule) of the run: the name's pair, with algorithm.local if not auto."""
     local, server = ALGORITHMS[cfg.algorithm.name]
@@ -65,6 +99,8 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                           "from the SGD one implemented here; use another local rule")
         if not cfg.train.momentum < 1:
             errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
+    if local in ("scaffold", "gam_cv"):
+        errors += _check_control(cfg, local)
     if local == "moon":
         if cfg.algorithm.moon_tau <= 0:
             errors.append(f"algorithm.moon_tau: must be > 0, got {cfg.algorithm.moon_tau}")
@@ -78,6 +114,28 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                           "algorithm.local)")
     from .client.optim import check_optimizer
     return errors + check_optimizer(cfg.train)
+
+
+def _check_control(cfg, local: str) -> list[str]:
+    """SCAFFOLD's option II and FedGAM-CV's eq. 21 read the client's mean step direction off
+    (w - w_k) / (tau lr): true for plain SGD only (momentum or Adam move w by something else)."""
+    tc, option = cfg.train, cfg.algorithm.scaffold_control
+    if local == "gam_cv" and option == "I":
+        return ["algorithm.scaffold_control: I is SCAFFOLD's option; FedGAM-CV updates c_k by seed 002's "
+                "eq. 21 (option II) only; set algorithm.scaffold_control = II"]
+    if tc.optimizer == "sgd" and tc.momentum == 0:
+        return []
+    what = f"train.optimizer = {tc.optimizer}" if tc.optimizer != "sgd" else f"train.momentum = {tc.momentum}"
+    key = "train.optimizer" if tc.optimizer != "sgd" else "train.momentum"
+    if local == "scaffold" and option == "II":
+        return [f"algorithm.scaffold_control: option II's c_k+ = c_k - c + (w - w_k) / (tau lr) holds for "
+                f"plain SGD only, not with {what}; set algorithm.scaffold_control = I (c_k+ = the client's "
+                "gradient at the global model, valid for any optimizer) or use plain SGD"]
+    if local == "gam_cv":
+        return [f"{key}: FedGAM-CV's c_k update (seed 002 eq. 21) holds for plain SGD only, not with {what}; "
+                "use train.optimizer = sgd with train.momentum = 0, or algorithm.name = scaffold with "
+                "algorithm.scaffold_control = I"]
+    return []
 
 
 def check_algorithm(cfg) -> list[str]:

@@ -125,8 +125,15 @@ class AlgorithmConfig:
                              "composes with the name's server rule, e.g. name = fedgma with local = prox, "
                              "or name = feder with local = gam.",
                      ("auto", "plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo"))
-    weighting: str = opt("samples", "Client weights p_k for averaging: by sample count or uniform.",
-                         ("samples", "uniform"))
+    weighting: str = opt("auto", "Client weights p_k for averaging: by sample count (n_k / n) or uniform "
+                                 "(1/K); auto: the weighting of algorithm.name's paper or reference code "
+                                 "(docs/algorithms.md), resolved when the config is loaded.",
+                         ("auto", "samples", "uniform"))
+    scaffold_control: str = opt("II", "SCAFFOLD's client control update. II: c_k+ = c_k - c + (w - w_k) / "
+                                      "(tau lr), exact only for plain SGD; I: c_k+ = the gradient of the "
+                                      "client's mean loss at the global model w (one extra pass over its "
+                                      "data), valid for any optimizer. Only for SCAFFOLD clients.",
+                                ("II", "I"))
     server_lr: float = opt(1.0, "Server step size: FedGMA's eta_s, SCAFFOLD's eta_g.")
     server_momentum: float = opt(0.9, "FedMom server momentum delta_m (0 gives FedAvg).")
     cong_alpha: float = opt(0.7, "FedCong: fraction of clients that must agree in sign.")
@@ -320,6 +327,9 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
     if errors:
         where = f" in {path}" if path else ""
         raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
+    from .algorithms import weighting_of
+    # resolved once, so config.toml, the start line and every rule see the same weighting
+    cfg.algorithm.weighting = weighting_of(cfg.algorithm)
     return cfg
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 
 from . import checkpoint, config, strategies, tasks
-from .algorithms import resolve as resolve_algorithm
+from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
 from .client import ClientContext, train_client
 from .client import rules as local_rules
 from .client.state import open_store as open_client_states
@@ -207,8 +207,8 @@ def run(cfg: config.Config, comm) -> dict:
         # out; the line says which form of the rules produced this run's bits.
         form = strategies.kernels.describe(device)
         if rc.progress:
-            print(f"fedddp: {comm.world_size} rank(s) on {device.type}; {server_name} aggregation: "
-                  f"{form}", file=sys.stderr, flush=True)
+            print(f"fedddp: {comm.world_size} rank(s) on {device.type}; {describe_algorithm(cfg)}; "
+                  f"aggregation: {form}", file=sys.stderr, flush=True)
     num_sampled = cfg.num_sampled()
     last_round = start_round - 1
 

@@ -96,3 +96,43 @@ def test_cuda_without_a_gpu_is_a_config_error(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "run.device: cuda, but local rank 0 sees 0 GPU(s)" in proc.stderr
+
+
+# Each paper's (or its reference code's) client weights, written out here rather than read from
+# fedddp.algorithms.WEIGHTING, so that a wrong entry there fails (sources: docs/algorithms.md).
+PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples", "fedgma": "samples",
+                   "cgw": "samples", "feder": "uniform", "fedprox": "samples", "scaffold": "uniform",
+                   "fednova": "samples", "moon": "samples", "fedsam": "uniform", "fedgam": "uniform",
+                   "fedgam_cv": "uniform", "fedsmoo": "uniform"}
+
+
+def test_every_algorithm_has_a_paper_weighting():
+    from fedddp.algorithms import ALGORITHMS
+    assert set(PAPER_WEIGHTING) == set(ALGORITHMS)
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_WEIGHTING))
+def test_auto_weighting_resolves_to_the_papers(name):
+    """weighting = auto (the default) is resolved at load time to the algorithm's own, so that
+    config.toml and every consumer see samples or uniform; an explicit choice overrides it. Every
+    algorithm used to get sample-count weights, which FedGAM's Alg. 1 and SCAFFOLD do not use."""
+    extra = ["data.name=mnist", "model.name=cnn"] if name == "feder" else []
+    cfg = config.load(None, [f"algorithm.name={name}", *extra])
+    assert cfg.algorithm.weighting == PAPER_WEIGHTING[name]
+    assert f'weighting = "{PAPER_WEIGHTING[name]}"' in config.dumps(cfg)
+    for choice in ("samples", "uniform"):
+        assert config.load(None, [f"algorithm.name={name}", f"algorithm.weighting={choice}",
+                                  *extra]).algorithm.weighting == choice
+
+
+def test_config_toml_and_start_line_show_the_resolved_algorithm(tmp_path):
+    """The start line names the local rule as well as the server rule (a FedGAM run used to say
+    only "fedavg aggregation") and the weighting as resolved; config.toml never says auto."""
+    from fedrun import run_fedddp
+    proc = run_fedddp(["algorithm.name=fedgam", "run.rounds=1", "run.ckpt_every=0", f"run.out_dir={tmp_path}",
+                       "run.progress=true"])
+    start = [line for line in proc.stderr.splitlines() if line.startswith("fedddp:")]
+    assert len(start) == 1, proc.stderr
+    assert "fedgam: gam clients, fedavg server rule, uniform weights; aggregation:" in start[0], start[0]
+    written = (tmp_path / "config.toml").read_text()
+    assert 'weighting = "uniform"' in written and 'weighting = "auto"' not in written

@@ -73,8 +73,9 @@ def test_moon_first_round_has_no_contrastive_term(tmp_path):
 
 @pytest.mark.parametrize("name,twin", [("scaffold", "fedavg"), ("fedgam_cv", "fedgam")])
 def test_control_variates_first_round_equals_base(tmp_path, name, twin):
-    assert torch.equal(final_global(tmp_path, name, rounds=1), final_global(tmp_path, twin, rounds=1))
-    assert (final_global(tmp_path, name) - final_global(tmp_path, twin)).abs().max() > 1e-5
+    uniform = "algorithm.weighting=uniform"  # SCAFFOLD's and FedGAM's own; FedAvg's is samples
+    assert torch.equal(final_global(tmp_path, name, rounds=1), final_global(tmp_path, twin, uniform, rounds=1))
+    assert (final_global(tmp_path, name) - final_global(tmp_path, twin, uniform)).abs().max() > 1e-5
 
 
 def test_fednova_equal_steps_equals_fedavg(tmp_path):
@@ -187,6 +188,103 @@ def test_control_variate_twins(local):
     close(out["params_P"], w)
     close(state["control_P"], new_c_k)
     close(out["control_delta_P"], new_c_k - c_k)
+
+
+def momentum_sgd_twin(w_glob, x, y, shapes, correction_P, steps, lr=0.1, momentum=0.9):
+    """torch.optim.SGD with momentum on full batches, each gradient plus a fixed correction."""
+    w, buf = w_glob.clone(), None
+    for _ in range(steps):
+        grad = twin_grad(w, x, y, shapes) + correction_P
+        buf = grad if buf is None else momentum * buf + grad
+        w = w - lr * buf
+    return w
+
+
+def test_scaffold_option_one_twin():
+    """Option I with momentum SGD: the steps get c - c_k as in option II, and c_k+ is the client's
+    gradient at the global model (not read off w - w_k, which momentum makes wrong)."""
+    cfg, model, layout, data, g = make_client("scaffold", ["algorithm.scaffold_control=I", "train.momentum=0.9"],
+                                              steps=3)
+    shapes = twin_shapes()
+    w_glob = layout.flatten(model).clone()
+    P = layout.numel
+    c, c_k = 0.3 * torch.randn(P, generator=g), 0.3 * torch.randn(P, generator=g)
+    out, state = run_client(cfg, model, layout, data, w_glob, {"control_P": c}, {"control_P": c_k.clone()})
+    w = momentum_sgd_twin(w_glob, data.x, data.y, shapes, c - c_k, steps=3)
+    new_c_k = twin_grad(w_glob, data.x, data.y, shapes)  # option I
+    close(out["params_P"], w)
+    close(state["control_P"], new_c_k)
+    close(out["control_delta_P"], new_c_k - c_k)
+    option_two = c_k - c + (w_glob - w) / (3 * 0.1)  # what option II would have kept: far off
+    assert (option_two - new_c_k).abs().max() > 1e-2
+
+
+def test_scaffold_option_one_gradient_spans_every_minibatch():
+    """With minibatches (24 samples in batches of 5: the last has 4), c_k+ is still the gradient
+    of the mean loss over all the client's samples at the global model."""
+    cfg, model, layout, data, g = make_client("scaffold", ["algorithm.scaffold_control=I", "train.batch_size=5"],
+                                              steps=2)
+    w_glob = layout.flatten(model).clone()
+    zeros = torch.zeros(layout.numel)
+    out, state = run_client(cfg, model, layout, data, w_glob, {"control_P": zeros}, {})
+    close(state["control_P"], twin_grad(w_glob, data.x, data.y, twin_shapes()))
+
+
+def test_scaffold_option_one_extra_pass_leaves_training_alone():
+    """The extra pass at the global model (train mode, for BatchNorm's batch statistics) must
+    restore the running statistics: in round 1 (c = c_k = 0) options I and II train the same
+    model bit for bit, buffers included, and only c_k+ differs."""
+    from fedddp.models import Net
+    results = {}
+    for option in ("I", "II"):
+        torch.manual_seed(0)
+        model = Net(torch.nn.Sequential(torch.nn.Linear(D_IN, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU()),
+                    torch.nn.Linear(6, CLASSES))
+        cfg = config.load(None, ["algorithm.name=scaffold", "algorithm.local=scaffold",
+                                 f"algorithm.scaffold_control={option}",
+                                 "train.batch_size=6", "train.local_steps=3", "train.lr=0.1"])
+        layout = FlatLayout(model)
+        g = torch.Generator().manual_seed(1)
+        data = ClientData(torch.randn(N, D_IN, generator=g), torch.randint(0, CLASSES, (N,), generator=g))
+        w_glob = layout.flatten(model).clone()
+        results[option] = run_client(cfg, model, layout, data, w_glob, {"control_P": torch.zeros(layout.numel)}, {})
+    assert torch.equal(results["I"][0]["params_P"], results["II"][0]["params_P"])
+    assert (results["I"][1]["control_P"] - results["II"][1]["control_P"]).abs().max() > 1e-4
+
+
+def test_moon_frozen_models_run_in_eval_mode():
+    """MOON's frozen global and previous models are in eval mode, as in MOON's code: with
+    BatchNorm their representations are the eval-mode ones (running statistics, not the batch's)
+    and their forward passes leave those statistics untouched. They used to run in train mode."""
+    from fedddp.models import Net
+    torch.manual_seed(0)
+    model = Net(torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU()),
+                torch.nn.Linear(6, 3))
+    layout = FlatLayout(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # two models whose running statistics are their own, not the defaults
+        model(2 * torch.randn(32, 4, generator=g) + 1)
+        w_glob = layout.flatten(model).clone()
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+        model(torch.randn(32, 4, generator=g) - 1)
+        w_prev = layout.flatten(model).clone()
+    cfg = config.load(None, ["algorithm.name=moon", "algorithm.moon_mu=1.0"])
+    layout.unflatten_into(w_glob, model)
+    ctx = ClientContext(0, 2, w_glob, layout, cfg.algorithm, {}, {"prev_P": w_prev.clone()})
+    rule = rules.get("moon")
+    rule.begin(model, ctx)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 3, (16,), generator=g)
+    rule.gradient(model, x, y, ctx)
+    rule.gradient(model, x, y, ctx)
+    for frozen, source_P in zip(ctx.scratch["frozen"], (w_glob, w_prev)):
+        assert torch.equal(layout.flatten(frozen), source_P)  # running statistics untouched
+        reference = copy.deepcopy(model)
+        layout.unflatten_into(source_P, reference)
+        with torch.no_grad():
+            assert torch.equal(rules._represent(frozen, x), reference.eval().represent(x))
+            # the test can tell the modes apart: train mode gives other representations
+            assert (rules._represent(frozen, x) - reference.train().represent(x)).abs().max() > 1e-3
 
 
 def test_moon_twin():
@@ -387,12 +485,29 @@ def test_composition_runs_and_differs(tmp_path):
     (["algorithm.name=moon", "algorithm.moon_tau=0"], ["algorithm.moon_tau"]),
     (["train.lr_schedule=steplr", "train.lr_schedule_unit=epoch", "train.local_steps=5"], ["lr_schedule_unit"]),
     (["train.optimizer=adam", "train.momentum=0.9"], ["train.momentum"]),
+    (["algorithm.name=scaffold", "train.momentum=0.9"], ["algorithm.scaffold_control", "scaffold_control = I"]),
+    (["algorithm.name=scaffold", "train.optimizer=adam"], ["algorithm.scaffold_control", "scaffold_control = I"]),
+    (["algorithm.name=fedgam_cv", "train.momentum=0.5"], ["train.momentum", "FedGAM-CV", "eq. 21"]),
+    (["algorithm.name=fedgam_cv", "algorithm.scaffold_control=I"], ["algorithm.scaffold_control", "eq. 21"]),
 ])
 def test_impossible_combinations_are_config_errors(overrides, words):
     with pytest.raises(ConfigError) as info:
         config.load(None, overrides)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+def test_scaffold_option_one_accepts_any_optimizer():
+    for overrides in (["train.momentum=0.9"], ["train.optimizer=adam"]):
+        config.load(None, ["algorithm.name=scaffold", "algorithm.scaffold_control=I", *overrides])
+
+
+def test_auto_weighting_is_the_papers(tmp_path):
+    """FedGAM's Alg. 1 averages uniformly: auto must give uniform's bits, not the sample-count
+    weights every algorithm used to get (the synthetic clients have unequal n_k)."""
+    auto = final_global(tmp_path, "fedgam", rounds=2)
+    assert torch.equal(auto, final_global(tmp_path, "fedgam", "algorithm.weighting=uniform", rounds=2))
+    assert (auto - final_global(tmp_path, "fedgam", "algorithm.weighting=samples", rounds=2)).abs().max() > 1e-5
 
 
 def test_bad_pair_exits_2_naming_both(tmp_path):

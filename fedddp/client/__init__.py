@@ -17,7 +17,7 @@ from ..data import ClientData
 from ..flat import FlatLayout
 from ..tasks import CLASSIFICATION, Task
 from .optim import build_optimizer, epoch_end, lr_at
-from .rules import LocalRule
+from .rules import LocalRule, param_views
 
 
 @dataclass
@@ -45,8 +45,6 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     views into the gather buffer (``params_P`` and any of ``last_grad_P``, ``full_grad_P``), plus
     scalars ``train_loss``, ``num_samples``, ``num_steps``, ``full_loss`` and ``eff_rank_L``."""
     tc = cfg.train
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)  # dropout and any other use of the global generator
     device = ctx.global_P.device
     n = len(data)
     batch_size = n if tc.batch_size <= 0 else min(tc.batch_size, n)
@@ -55,6 +53,11 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     epochs_before = (ctx.round_idx - 1) * tc.local_epochs
 
     model.train()
+    if rule.needs_start_gradient(ctx.hp):
+        # before seeding: the extra pass leaves the training's random stream as it was
+        ctx.scratch["start_grad_P"] = start_gradient(model, data, ctx.layout, tc.batch_size, ctx.task)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout and any other use of the global generator
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(tc, params, lr_at(tc, ctx.round_idx, epochs_before))
     rule.begin(model, ctx)
@@ -90,6 +93,31 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     if "eff_rank_KL" in needs:
         from ..metrics.effective_rank import effective_ranks_L
         out["eff_rank_L"] = effective_ranks_L(model, ctx.layout, ctx.hp.feder_unfold)
+
+
+def start_gradient(model, data: ClientData, layout: FlatLayout, batch_size: int,
+                   task: Task = CLASSIFICATION) -> torch.Tensor:
+    """SCAFFOLD option I's c_k+: the gradient of the client's mean data loss over all its samples
+    at the model as given (the global one), [P], zero on buffers. In train mode, as the local
+    steps compute theirs, over consecutive chunks of the local batch size, so BatchNorm normalises
+    with batch statistics of the size the steps see (c_k estimates the mean step direction); the
+    running statistics are restored afterwards, so the pass changes nothing the training sees."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved_buffers = [b.detach().clone() for b in model.buffers()]
+    n = len(data)
+    chunk = n if batch_size <= 0 else batch_size
+    grads = [torch.zeros_like(p) for p in params]
+    for start in range(0, n, chunk):
+        x, y = data.x[start:start + chunk], data.y[start:start + chunk]
+        for g, part in zip(grads, torch.autograd.grad(task.loss(model(x), y, reduction="sum") / n, params)):
+            g.add_(part)
+    with torch.no_grad():
+        for b, saved in zip(model.buffers(), saved_buffers):
+            b.copy_(saved)
+    grad_P = torch.zeros(layout.numel, device=params[0].device)
+    for view, g in zip(param_views(layout, grad_P), grads):
+        view.copy_(g)
+    return grad_P
 
 
 def full_batch_gradient(model, data: ClientData, layout: FlatLayout, out_P: torch.Tensor,

@@ -21,6 +21,7 @@ The rules of seed 002's FedGAM paper and its baselines (formulas: docs/algorithm
   plain     g
   prox      g + mu (w - w_global)                                         FedProx
   scaffold  g + c - c_k; c_k+ = c_k - c + (w_global - w_k) / (tau lr)     SCAFFOLD option II
+            (option I: c_k+ = full local gradient at w_global)
   moon      CE + mu CE([cos(z, z_glob), cos(z, z_prev)] / tau, 0)         MOON
   sam       g(w + rho g / ||g||)                                          FedSAM
   gam       g(w) + alpha rho g(w + rho g / ||g||)                         FedGAM, seed 002 eq. 19
@@ -117,6 +118,11 @@ class LocalRule:
     def begin(self, model, ctx) -> None:
         pass
 
+    def needs_start_gradient(self, hp) -> bool:
+        """Whether train_client must put the client's full local gradient at the global model in
+        ctx.scratch["start_grad_P"] before training (SCAFFOLD option I)."""
+        return False
+
     def gradient(self, model, x, y, ctx):
         loss = ctx.task.loss(model(x), y)
         loss.backward()
@@ -145,10 +151,12 @@ class Prox(LocalRule):
 
 
 class ControlVariates:
-    """SCAFFOLD option II's client side, shared by SCAFFOLD and FedGAM-CV: the step direction gets
-    c - c_k; after tau steps at mean learning rate lr,
-    c_k+ = c_k - c + (w_global - w_k) / (tau lr) (on parameters; zero on buffers), and the report
-    carries c_k+ - c_k."""
+    """SCAFFOLD's client side, shared by SCAFFOLD and FedGAM-CV: the step direction gets c - c_k;
+    after tau steps at mean learning rate lr, option II (algorithm.scaffold_control = II, FedGAM-CV's
+    eq. 21) sets c_k+ = c_k - c + (w_global - w_k) / (tau lr), which holds for plain SGD only;
+    option I (SCAFFOLD only; config validation refuses the other pairs) sets c_k+ = the client's
+    full local gradient at w_global (fedddp.client.start_gradient), for any optimizer. Zero on
+    buffers; the report carries c_k+ - c_k."""
 
     client_state = ("control_P",)
     reads_server = ("control_P",)
@@ -164,6 +172,9 @@ class ControlVariates:
         self._add_correction(_params(model), ctx)
         return loss
 
+    def needs_start_gradient(self, hp) -> bool:
+        return hp.scaffold_control == "I"
+
     def _begin_control(self, ctx) -> None:
         c_P = ctx.server_view["control_P"]
         c_k_P = ctx.state.get("control_P")
@@ -178,17 +189,20 @@ class ControlVariates:
 
     def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
         c_P, c_k_P = ctx.scratch["c_P"], ctx.scratch["c_k_P"]
-        w_k_P = out["params_P"]  # the trained model, flattened by train_client
-        drift_P = (ctx.global_P - w_k_P) * ctx.layout.param_mask_P(w_k_P.device)
-        new_c_k_P = c_k_P - c_P + drift_P / (max(num_steps, 1) * lr)
+        if "start_grad_P" in ctx.scratch:  # option I
+            new_c_k_P = ctx.scratch["start_grad_P"]
+        else:  # option II
+            w_k_P = out["params_P"]  # the trained model, flattened by train_client
+            drift_P = (ctx.global_P - w_k_P) * ctx.layout.param_mask_P(w_k_P.device)
+            new_c_k_P = c_k_P - c_P + drift_P / (max(num_steps, 1) * lr)
         if "control_delta_P" in out:
             out["control_delta_P"].copy_(new_c_k_P - c_k_P)
         ctx.state["control_P"] = new_c_k_P
 
 
 class Scaffold(ControlVariates, LocalRule):
-    """SCAFFOLD (Karimireddy et al. 2020), option II control variates. Round 1 (c = c_k = 0) is
-    plain local SGD."""
+    """SCAFFOLD (Karimireddy et al. 2020), option II (default) or option I control variates.
+    Round 1 (c = c_k = 0) is plain local training."""
 
     name = "scaffold"
     doc = __doc__
@@ -197,9 +211,9 @@ class Scaffold(ControlVariates, LocalRule):
 class Moon(LocalRule):
     """MOON (Li et al. 2021): CE + mu * CE([cos(z, z_glob), cos(z, z_prev)] / tau, label 0),
     z the representation (projection head output if the model has one, else the features). The
-    global and previous models are frozen copies run in train mode like the trained one (MOON's
-    code does not switch them to eval). A client without a previous model (its first round)
-    has no contrastive term."""
+    global and previous models are frozen copies in eval mode, as in MOON's code: BatchNorm
+    normalises with their running statistics, which their forward passes leave untouched, and
+    dropout is off. A client without a previous model (its first round) has no contrastive term."""
 
     name = "moon"
     client_state = ("prev_P",)
@@ -212,6 +226,7 @@ class Moon(LocalRule):
             twin = copy.deepcopy(model)
             ctx.layout.unflatten_into(flat_P.to(ctx.global_P.device), twin)
             twin.requires_grad_(False)
+            twin.eval()
             frozen.append(twin)
         ctx.scratch["frozen"] = frozen
 

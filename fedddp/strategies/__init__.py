@@ -85,9 +85,11 @@ def get(name: str) -> Strategy:
 
 
 def client_weights_K(stacks: Stacks, hp) -> torch.Tensor:
-    """p_k: sample-count weights (or uniform), summing to 1."""
+    """p_k summing to 1: n_k / n (samples) or 1/K (uniform), as hp.weighting says; auto (a config
+    not resolved by config.load) is the algorithm's own, fedddp.algorithms.weighting_of."""
+    from ..algorithms import weighting_of  # late: fedddp.algorithms imports this package
     n_K = stacks["num_samples_K"].to(stacks["params_KP"].dtype)
-    if getattr(hp, "weighting", "samples") == "uniform":
+    if weighting_of(hp) == "uniform":
         n_K = torch.ones_like(n_K)
     return n_K / n_K.sum()
 
