@@ -47,6 +47,10 @@ def final_global(tmp_path, name: str, *overrides: str, rounds: int = 3) -> torch
 
 # -- 1. reductions ----------------------------------------------------------------------------
 
+def weighting_of_name(name: str) -> str:
+    return config.load(None, [f"algorithm.name={name}"]).algorithm.weighting
+
+
 NEUTRAL = [("fedprox", ["algorithm.prox_mu=0"]),
            ("fedsam", ["algorithm.sam_rho=0"]),
            ("fedgam", ["algorithm.gam_rho=0"]),
@@ -55,7 +59,8 @@ NEUTRAL = [("fedprox", ["algorithm.prox_mu=0"]),
 
 @pytest.mark.parametrize("name,neutral", NEUTRAL, ids=[n for n, _ in NEUTRAL])
 def test_neutral_setting_equals_fedavg_bitwise(tmp_path, name, neutral):
-    fedavg = final_global(tmp_path, "fedavg")
+    # FedAvg with the algorithm's own client weights (FedSAM's and FedGAM's are uniform)
+    fedavg = final_global(tmp_path, "fedavg", f"algorithm.weighting={weighting_of_name(name)}")
     assert torch.equal(final_global(tmp_path, name, *neutral), fedavg)
     # the paper's default really changes the run (the comparison can fail)
     default = final_global(tmp_path, name, *[o for o in neutral if "proj_dim" in o])
