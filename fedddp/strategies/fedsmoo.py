@@ -9,7 +9,7 @@ server keeps H (``drift_sum_P``) instead of the reference code's [N, P] table, w
 sum at 1/N of the memory. s (``perturb_P``) is client-visible. As in the reference code, s
 ignores the small \\hat{s}_{i,K} term. Buffers (BatchNorm statistics) are averaged and get no
 drift (``param_mask_P``, static). N is passed in ``stacks`` as the static scalar ``num_clients``.
-The reference averages uniformly (hp.weighting = "uniform").
+The reference averages uniformly: hp.weighting = auto resolves to uniform.
 Legend: K sampled clients, P flat parameters.
 """
 

@@ -4,15 +4,16 @@
   c <- c + (1/N) sum_{k in S} (c_k+ - c_k)    SCAFFOLD: N = data.num_clients
   c <- c + (1/K) sum_{k in S} (c_k+ - c_k)    FedGAM-CV eq. 22: K = sampled clients
 
-The client side (c - c_k in every step, c_k+ = c_k - c + (w - w_k) / (tau lr)) is the
-``scaffold`` / ``gam_cv`` local rule; it reports c_k+ - c_k as ``control_delta_KP``. The server
-control c (``control_P``, zero at first) is client-visible: broadcast with the model every round.
+The client side (c - c_k in every step; c_k+ = c_k - c + (w - w_k) / (tau lr), option II, or
+SCAFFOLD's option I, the client's full gradient at w) is the ``scaffold`` / ``gam_cv`` local
+rule; it reports c_k+ - c_k as ``control_delta_KP``. The server control c (``control_P``, zero
+at first) is client-visible: broadcast with the model every round.
 
 N is not a hyperparameter of the algorithm section: the round loop passes it in ``stacks`` as
 the static scalar ``num_clients`` (float32 0-d tensor), as it does ``conv_group_P``.
 The new model is ``lerp(w, mean_k w_k, eta_g)``, which is the same formula and returns the
 weighted mean bit for bit when eta_g = 1, so round 1 (c = c_k = 0) equals FedAvg exactly.
-The SCAFFOLD and FedGAM-CV papers average uniformly (hp.weighting = "uniform").
+The SCAFFOLD and FedGAM-CV papers average uniformly: hp.weighting = auto resolves to uniform.
 Legend: K sampled clients, P flat parameters.
 """
 
