@@ -502,6 +502,15 @@ def test_impossible_combinations_are_config_errors(overrides, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+def test_scaffold_option_one_end_to_end(tmp_path):
+    """Through the round loop: round 1 (c = c_k = 0) is option II's bit for bit, later rounds
+    differ (the controls really are other ones), and momentum trains to a finite model."""
+    one = "algorithm.scaffold_control=I"
+    assert torch.equal(final_global(tmp_path, "scaffold", one, rounds=1), final_global(tmp_path, "scaffold", rounds=1))
+    assert (final_global(tmp_path, "scaffold", one) - final_global(tmp_path, "scaffold")).abs().max() > 1e-5
+    assert torch.isfinite(final_global(tmp_path, "scaffold", one, "train.momentum=0.9")).all()
+
+
 def test_scaffold_option_one_accepts_any_optimizer():
     for overrides in (["train.momentum=0.9"], ["train.optimizer=adam"]):
         config.load(None, ["algorithm.name=scaffold", "algorithm.scaffold_control=I", *overrides])
