@@ -235,16 +235,22 @@ def test_scaffold_option_one_gradient_spans_every_minibatch():
     close(state["control_P"], twin_grad(w_glob, data.x, data.y, twin_shapes()))
 
 
+def bn_net():
+    from fedddp.models import Net
+    torch.manual_seed(0)
+    return Net(torch.nn.Sequential(torch.nn.Linear(D_IN, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU()),
+               torch.nn.Linear(6, CLASSES))
+
+
 def test_scaffold_option_one_extra_pass_leaves_training_alone():
     """The extra pass at the global model (train mode, for BatchNorm's batch statistics) must
     restore the running statistics: in round 1 (c = c_k = 0) options I and II train the same
-    model bit for bit, buffers included, and only c_k+ differs."""
-    from fedddp.models import Net
+    model bit for bit, buffers included, and only c_k+ differs. With BatchNorm, c_k+ is the mean
+    over consecutive batch-size chunks of their train-mode gradients (weights chunk / n), not
+    the eval-mode gradient."""
     results = {}
     for option in ("I", "II"):
-        torch.manual_seed(0)
-        model = Net(torch.nn.Sequential(torch.nn.Linear(D_IN, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU()),
-                    torch.nn.Linear(6, CLASSES))
+        model = bn_net()
         cfg = config.load(None, ["algorithm.name=scaffold", "algorithm.local=scaffold",
                                  f"algorithm.scaffold_control={option}",
                                  "train.batch_size=6", "train.local_steps=3", "train.lr=0.1"])
@@ -255,6 +261,17 @@ def test_scaffold_option_one_extra_pass_leaves_training_alone():
         results[option] = run_client(cfg, model, layout, data, w_glob, {"control_P": torch.zeros(layout.numel)}, {})
     assert torch.equal(results["I"][0]["params_P"], results["II"][0]["params_P"])
     assert (results["I"][1]["control_P"] - results["II"][1]["control_P"]).abs().max() > 1e-4
+
+    def gradient_P(train_mode: bool):
+        twin = bn_net().train(train_mode)
+        params = list(twin.parameters())
+        parts = [torch.autograd.grad(F.cross_entropy(twin(data.x[i:i + 6]), data.y[i:i + 6]), params)
+                 for i in range(0, N, 6)]  # equal chunks: the mean of chunk means is the mean
+        flat = torch.cat([torch.stack(gs).mean(0).reshape(-1) for gs in zip(*parts)])
+        return torch.cat([flat, torch.zeros(layout.numel - flat.numel())])  # zero on buffers
+
+    close(results["I"][1]["control_P"], gradient_P(train_mode=True))
+    assert (results["I"][1]["control_P"] - gradient_P(train_mode=False)).abs().max() > 1e-4
 
 
 def test_moon_frozen_models_run_in_eval_mode():
