@@ -142,15 +142,15 @@ def evaluate(model, test, comm, task: tasks.Task = tasks.CLASSIFICATION,
     return sums[0].item() / count, sums[1].item() / count
 
 
-def _agree_on_failure(comm, error: Exception | None) -> None:
-    """Every rank learns whether any rank failed to load its data, so none waits forever at
-    the first collective; the rank that failed re-raises its own (named) error."""
+def _agree_on_failure(comm, error: Exception | None, what: str = "its data") -> None:
+    """Every rank learns whether any rank failed to load its data (or checkpoint), so none waits
+    forever at the next collective; the rank that failed re-raises its own (named) error."""
     flag = torch.tensor([1.0 if error else 0.0], device=comm.device)
     comm.all_reduce_sum_(flag)
     if error is not None:
         raise error
     if flag.item() > 0:
-        raise DataError("data: another rank could not load its data (see its message)")
+        raise DataError(f"data: another rank could not load {what} (see its message)")
 
 
 class _RankZeroRefused(UserError):
@@ -259,7 +259,11 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     start_round, last_ckpt = 1, None
     if resume_round:
         last_ckpt = checkpoint.round_dir(ckpt_root, resume_round)
-        saved, saved_clients = checkpoint.load(last_ckpt, set(owned), device)
+        try:
+            saved, saved_clients = checkpoint.load(last_ckpt, set(owned), device)
+        except DataError as exc:
+            error = exc
+        _agree_on_failure(comm, error, "the checkpoint")
         client_states.restore(saved_clients)
         del saved_clients
         global_P.copy_(saved["global_P"])
