@@ -16,6 +16,7 @@ import fcntl
 import os
 import shutil
 import socket
+import sys
 
 from .errors import ConfigError, DiskFullError
 
@@ -44,6 +45,8 @@ def open_out_dir(out_dir: str) -> OutDirLock:
         os.makedirs(out_dir, exist_ok=True)
         fh = open(os.path.join(out_dir, LOCK), "a+")
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFullError(f"{exc.strerror}: cannot create {out_dir} or its lock file") from None
         raise ConfigError(f"run.out_dir: cannot write to {out_dir} ({exc.strerror}); pick a writable "
                           "run.out_dir") from None
     try:
@@ -54,6 +57,9 @@ def open_out_dir(out_dir: str) -> OutDirLock:
         fh.close()
         raise ConfigError(f"run.out_dir: {out_dir} is in use by another run ({holder}); wait for it to "
                           "end or pick another run.out_dir") from None
+    except OSError as exc:  # a file system without locks (some NFS setups): run, but say so
+        print(f"fedddp: warning: cannot lock {out_dir} ({exc.strerror}); make sure no other run uses it",
+              file=sys.stderr, flush=True)
     fh.seek(0)
     fh.truncate()
     fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
