@@ -153,8 +153,9 @@ def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
     failed = entry_R3[:, 0].nonzero().flatten().tolist()
     if failed:
         code = int(entry_R3[failed[0], 0].item())
-        message = f"rank {failed[0]} could not write its part of {folder}"
-        raise OSError(code, message) if code > 0 else RuntimeError(message)
+        if code > 0:
+            raise OSError(code, f"{os.strerror(code)} (rank {failed[0]}, writing its part of {folder})")
+        raise RuntimeError(f"rank {failed[0]} could not write its part of {folder}")
     if comm.is_main:
         for r in range(comm.world_size):
             files[f"clients_rank{r}.pt"] = {"size": int(entry_R3[r, 1].item()), "crc32": int(entry_R3[r, 2].item())}

@@ -56,7 +56,8 @@ CASES = [
     ("server truncated", lambda o: _truncate(o / R4 / "server.pt"), 2, "server.pt has"),
     ("shard truncated", lambda o: _truncate(o / R4 / "clients_rank0.pt"), 2, "clients_rank0.pt has"),
     ("server bit flipped", lambda o: _flip_bit(o / R4 / "server.pt"), 2, "server.pt fails its checksum"),
-    ("shard bit flipped", lambda o: _flip_bit(o / R4 / "clients_rank0.pt", 0.9), 2, "clients_rank0.pt fails its checksum"),
+    ("shard bit flipped", lambda o: _flip_bit(o / R4 / "clients_rank0.pt", 0.9), 2,
+     "clients_rank0.pt fails its checksum"),
     # an older run with 2 ranks left its rank-1 shard (of round 2) in the folder
     ("stale shard of another world size",
      lambda o: shutil.copy(o / R2 / "clients_rank0.pt", o / R4 / "clients_rank1.pt"), 4, ""),
