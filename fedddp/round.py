@@ -429,7 +429,7 @@ def _diverged(cfg: config.Config, round_idx: int, train_loss: float, global_P: t
         f"round {round_idx}: the run diverged: {what} is not finite (train loss {train_loss}); stopped "
         f"before writing anything of round {round_idx} ({saved}); likely cause: steps too large for this "
         f"model and data (train.lr = {cfg.train.lr}, algorithm.server_lr = {cfg.algorithm.server_lr}): "
-        "lower them and start over")
+        "lower them and start over with run.overwrite=true")
 
 
 def _truncate_metrics(path: str, last_round: int) -> None:
