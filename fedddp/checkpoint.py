@@ -1,92 +1,268 @@
-"""Atomic checkpoints: a crash at any instant leaves the previous checkpoint intact.
+"""Checkpoints that prove themselves: a crash, a full disk or a damaged file can never make a
+resumed run continue from anything but a complete checkpoint of the same run.
 
 Layout under ``out_dir/checkpoints/``:
   round_000010/server.pt          rank 0: round, global_P, server state, RNG state
   round_000010/clients_rank1.pt   rank r: the persistent state of the clients rank r owns
-  LATEST                          the name of the newest complete round_* folder
+  round_000010/manifest.json      rank 0, written last: round, world size, run identity, and
+                                  every file of the checkpoint with its size and CRC-32
+  LATEST                          the name of the newest round folder written (a hint for
+                                  people and scripts; resume never relies on it)
 
-Each file is written to a temporary name and renamed (rename is atomic on POSIX). LATEST is
-rewritten only after every rank has finished its files (a barrier), so it never points at a
-half-written checkpoint. Client shards are keyed by client id, so a run may resume on a
-different number of ranks: each rank reads every shard and keeps the clients it owns.
-Everything is loaded with ``weights_only=True``.
+Each file is written to a temporary name and renamed (rename is atomic on POSIX), checksummed
+as it is written. The manifest is written only after every rank has finished its files, so a
+round folder is complete exactly when its manifest exists and every file it lists has the
+listed size and checksum; files it does not list (a shard of an older run with another world
+size) are ignored. Resume scans the round folders from the newest and takes the first complete
+one. The checksum is zlib's CRC-32 over the file bytes: the fastest in the standard library
+(figures in docs/architecture.md), and it catches every flipped bit and every burst of up to 32
+damaged bits; the manifest's sizes catch truncation. It guards against accidents, not against
+someone forging a checkpoint.
+
+Client shards are keyed by client id, so a run may resume on a different number of ranks: each
+rank reads every shard the manifest lists and keeps the clients it owns. The run identity is
+every config key that decides the run's bits (all but ``config.RESUME_MAY_CHANGE``); a resume
+whose identity differs is refused. Everything is loaded with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
-import glob
+import contextlib
+import dataclasses
+import json
 import os
+import re
 import shutil
+import zlib
 
 import torch
 
+from . import config
+from .errors import DataError
+
 LATEST = "LATEST"
+MANIFEST = "manifest.json"
+_ROUND = re.compile(r"round_(\d+)")
+_FILE = re.compile(r"server\.pt|clients_rank\d+\.pt")
 
 
-def atomic_save(obj, path: str) -> None:
+class _CrcWriter:
+    """The file object torch.save writes to: counts and checksums the bytes on their way."""
+
+    def __init__(self, fh):
+        self.fh, self.size, self.crc32 = fh, 0, 0
+
+    def write(self, data) -> int:
+        self.crc32 = zlib.crc32(data, self.crc32)
+        self.size += memoryview(data).nbytes
+        return self.fh.write(data)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def atomic_save(obj, path: str) -> dict:
+    """torch.save to ``path`` atomically; returns the file's manifest entry {size, crc32}."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            out = _CrcWriter(fh)
+            torch.save(obj, out)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a partial file only takes space (on a full disk)
+            os.remove(tmp)
+        raise
+    return {"size": out.size, "crc32": out.crc32}
 
 
 def atomic_write_text(text: str, path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def round_dir(ckpt_root: str, round_idx: int) -> str:
     return os.path.join(ckpt_root, f"round_{round_idx:06d}")
 
 
+def round_folders(ckpt_root: str) -> list[tuple[int, str]]:
+    """(round, folder) of every round_* folder, oldest first."""
+    try:
+        names = os.listdir(ckpt_root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = [(int(m.group(1)), os.path.join(ckpt_root, n)) for n in names if (m := _ROUND.fullmatch(n))]
+    return sorted(f for f in found if os.path.isdir(f[1]))
+
+
+def identity(cfg: config.Config) -> dict:
+    """The run identity: every resolved key (dotted) that decides the bits of a round."""
+    keys = {}
+    for section in config.SECTIONS:
+        obj = getattr(cfg, section)
+        for f in dataclasses.fields(obj):
+            if f"{section}.{f.name}" not in config.RESUME_MAY_CHANGE:
+                keys[f"{section}.{f.name}"] = getattr(obj, f.name)
+    return keys
+
+
+def identity_changes(saved: dict, now: dict) -> list[str]:
+    """'key old -> new' for every key whose value differs."""
+    unset = "(unset)"
+    return [f"{key} {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
+            for key in sorted(saved.keys() | now.keys()) if saved.get(key, unset) != now.get(key, unset)]
+
+
 def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
-         clients: dict[int, dict[str, torch.Tensor]], keep: int = 2) -> None:
-    """Every rank calls this. ``server`` is rank 0's payload (None elsewhere)."""
+         clients: dict[int, dict[str, torch.Tensor]], identity: dict | None = None, keep: int = 2) -> str:
+    """Every rank calls this. ``server`` is rank 0's payload (None elsewhere). Returns the folder."""
     folder = round_dir(ckpt_root, round_idx)
     os.makedirs(folder, exist_ok=True)
-    atomic_save({int(c): s for c, s in clients.items()}, os.path.join(folder, f"clients_rank{comm.rank}.pt"))
     if comm.is_main:
-        atomic_save(server, os.path.join(folder, "server.pt"))
-    comm.barrier()
-    if comm.is_main:
-        atomic_write_text(os.path.basename(folder), os.path.join(ckpt_root, LATEST))
-        # Only folders up to this round: a newer one is a leftover (an interrupted save, an older
-        # run in the same out_dir) and must not push the checkpoint just written out.
-        complete = sorted(f for f in glob.glob(os.path.join(ckpt_root, "round_*")) if f <= folder)
-        for old in complete[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    comm.barrier()
-
-
-def forget(ckpt_root: str) -> None:
-    """Drop the LATEST pointer (a fresh run starts); the round folders stay on disk."""
+        # Rewriting a round (after resuming from an older one): not complete until the new manifest.
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, MANIFEST))
+    # Row r: rank r's failure (errno, or -1) and its shard's size and CRC-32. One all-reduce
+    # brings every rank's entry to rank 0, tells every rank whether any failed, and is the
+    # barrier before the manifest. Both numbers are below 2**53, exact in float64.
+    entry_R3 = torch.zeros(comm.world_size, 3, dtype=torch.float64, device=comm.device)
+    error = None
     try:
-        os.remove(os.path.join(ckpt_root, LATEST))
+        shard = atomic_save({int(c): s for c, s in clients.items()},
+                            os.path.join(folder, f"clients_rank{comm.rank}.pt"))
+        entry_R3[comm.rank, 1:] = torch.tensor([shard["size"], shard["crc32"]], dtype=torch.float64)
+        if comm.is_main:
+            files = {"server.pt": atomic_save(server, os.path.join(folder, "server.pt"))}
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the others know
+        error = exc
+        entry_R3[comm.rank, 0] = getattr(_os_error(exc), "errno", None) or -1
+    comm.all_reduce_sum_(entry_R3)
+    if error is not None:
+        raise error
+    failed = entry_R3[:, 0].nonzero().flatten().tolist()
+    if failed:
+        code = int(entry_R3[failed[0], 0].item())
+        if code > 0:
+            raise OSError(code, f"{os.strerror(code)} (rank {failed[0]}, writing its part of {folder})")
+        raise RuntimeError(f"rank {failed[0]} could not write its part of {folder}")
+    if comm.is_main:
+        for r in range(comm.world_size):
+            files[f"clients_rank{r}.pt"] = {"size": int(entry_R3[r, 1].item()), "crc32": int(entry_R3[r, 2].item())}
+        manifest = {"round": round_idx, "world_size": comm.world_size, "identity": identity or {}, "files": files}
+        atomic_write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", os.path.join(folder, MANIFEST))
+        atomic_write_text(os.path.basename(folder), os.path.join(ckpt_root, LATEST))
+        _prune(ckpt_root, round_idx, keep)
+    comm.barrier()
+    return folder
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
+def _prune(ckpt_root: str, round_idx: int, keep: int) -> None:
+    """Keep the ``keep`` newest folders with a manifest up to this round (the one just written,
+    complete and finite, is always among them) and drop every folder older than those. Folders
+    newer than this round are leftovers (an interrupted save, a copied-in run) and are left
+    alone: they must never push out the checkpoint just written."""
+    upto = [(r, f) for r, f in round_folders(ckpt_root) if r <= round_idx]
+    kept = [r for r, f in upto if os.path.exists(os.path.join(f, MANIFEST))][-keep:]
+    for r, f in upto:
+        if r < kept[0]:
+            shutil.rmtree(f, ignore_errors=True)
+
+
+def _file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _read_manifest(folder: str) -> tuple[dict | None, str | None]:
+    try:
+        with open(os.path.join(folder, MANIFEST)) as fh:
+            manifest = json.load(fh)
+        files = manifest["files"]
+        world = int(manifest["world_size"])
+        ok = (isinstance(manifest["round"], int) and isinstance(manifest["identity"], dict)
+              and all(_FILE.fullmatch(n) and isinstance(e["size"], int) and isinstance(e["crc32"], int)
+                      for n, e in files.items())
+              and {"server.pt", *(f"clients_rank{r}.pt" for r in range(world))} == set(files))
     except FileNotFoundError:
-        pass
+        return None, "no manifest (its save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    return (manifest, None) if ok else (None, "its manifest is unreadable")
+
+
+def verify(folder: str) -> tuple[dict | None, str | None]:
+    """(manifest, None) if the round folder is complete, else (None, why not)."""
+    manifest, why = _read_manifest(folder)
+    if manifest is None:
+        return None, why
+    for name, entry in sorted(manifest["files"].items()):
+        path = os.path.join(folder, name)
+        try:
+            size = os.path.getsize(path)
+            if size != entry["size"]:
+                return None, f"{name} has {size} bytes, its manifest {entry['size']}"
+            if _file_crc32(path) != entry["crc32"]:
+                return None, f"{name} fails its checksum"
+        except FileNotFoundError:
+            return None, f"{name} is missing"
+    return manifest, None
+
+
+def newest_complete(ckpt_root: str) -> tuple[str | None, dict | None, list[str]]:
+    """(folder, manifest, skipped): the newest complete round folder, and 'name: why' for every
+    newer one that is not complete. (None, None, skipped) if none is."""
+    skipped = []
+    for _, folder in reversed(round_folders(ckpt_root)):
+        manifest, why = verify(folder)
+        if manifest is not None:
+            return folder, manifest, skipped
+        skipped.append(f"{os.path.basename(folder)}: {why}")
+    return None, None, skipped
 
 
 def latest(ckpt_root: str) -> str | None:
-    try:
-        with open(os.path.join(ckpt_root, LATEST)) as fh:
-            name = fh.read().strip()
-    except FileNotFoundError:
-        return None
-    folder = os.path.join(ckpt_root, name)
-    return folder if os.path.isdir(folder) else None
+    """The newest complete round folder, or None."""
+    return newest_complete(ckpt_root)[0]
 
 
 def load(folder: str, owned: set[int], device) -> tuple[dict, dict[int, dict[str, torch.Tensor]]]:
-    server = torch.load(os.path.join(folder, "server.pt"), map_location=device, weights_only=True)
+    """The server payload and the states of the ``owned`` clients, from the files the manifest
+    lists (each checked again: the folder was verified by rank 0, maybe on another node)."""
+    manifest, why = _read_manifest(folder)
+    if manifest is None:
+        raise DataError(f"checkpoint {folder}: {why}; resume again to fall back to an older round")
+
+    def read(name: str):
+        path, entry = os.path.join(folder, name), manifest["files"][name]
+        if not os.path.exists(path) or os.path.getsize(path) != entry["size"] or _file_crc32(path) != entry["crc32"]:
+            raise DataError(f"checkpoint {path} changed after it was checked; resume again to fall back "
+                            "to an older round")
+        return torch.load(path, map_location=device, weights_only=True)
+
+    server = read("server.pt")
     clients: dict[int, dict[str, torch.Tensor]] = {}
-    for shard in sorted(glob.glob(os.path.join(folder, "clients_rank*.pt"))):
-        for cid, state in torch.load(shard, map_location=device, weights_only=True).items():
+    for r in range(manifest["world_size"]):
+        for cid, state in read(f"clients_rank{r}.pt").items():
             if cid in owned:
                 clients[cid] = state
     return server, clients

@@ -48,6 +48,17 @@ class RunConfig:
                                       "device), or mmap (files under out_dir/client_state, rows read per "
                                       "client: for thousands of clients). Checkpointed either way.",
                             ("memory", "mmap"))
+    overwrite: bool = opt(False, "A fresh run (resume = false) into an out_dir that already holds results "
+                                 "(metrics.jsonl, final.pt, checkpoints) is refused; true deletes them "
+                                 "first and starts over. Ignored when resuming.")
+
+
+# Keys that may differ between a checkpoint and the run that resumes from it: they do not decide
+# the bits of any round (how many rounds, what is logged or saved, where and how state is kept).
+# Every other key, and nothing about the world size, makes up a checkpoint's run identity.
+RESUME_MAY_CHANGE = frozenset({
+    "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.stop_after", "run.resume",
+    "run.overwrite", "run.out_dir", "run.client_state", "data.root", "data.download"})
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """User-facing errors and the exit status each one maps to.
 
-A user's mistake is never a traceback: ``python -m fedddp`` catches these, prints the message
-as one line on stderr and exits with ``exit_code``. Everything else (our own bugs) keeps its
-traceback.
+A user's mistake, or a run that cannot go on, is never a traceback: ``python -m fedddp``
+catches these, prints the message as one line on stderr and exits with ``exit_code`` (the table
+of exit statuses is in README.md). Everything else (our own bugs) keeps its traceback.
 """
 
 
@@ -20,3 +20,17 @@ class DataError(UserError):
     """A data set is missing or unreadable. Exit status 3. Name the path and how to get it."""
 
     exit_code = 3
+
+
+class DivergenceError(UserError):
+    """The global model or the round's training loss is not finite: the run stopped before
+    writing anything of that round. Exit status 4. Name the round and the likely cause."""
+
+    exit_code = 4
+
+
+class DiskFullError(UserError):
+    """No space left (or quota exceeded) while writing the run's output. Exit status 5. Name the
+    file system and the last complete checkpoint, from which ``run.resume=true`` continues."""
+
+    exit_code = 5

@@ -9,19 +9,20 @@ metrics, checkpoints' server part and final.pt.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
 
 import torch
 
-from . import checkpoint, config, strategies, tasks
+from . import checkpoint, config, outdir, strategies, tasks
 from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
 from .client import ClientContext, train_client
 from .client import rules as local_rules
 from .client.state import open_store as open_client_states
 from .data import ClientData, build as build_data
-from .errors import DataError
+from .errors import ConfigError, DataError, DivergenceError, UserError
 from .flat import FlatLayout
 from .models import build_model
 from .sampling import client_seed, layout_rows, owned_clients, owner, sample_clients
@@ -111,6 +112,16 @@ def _to_json(value):
     return value
 
 
+def _finite_or_null(value):
+    """metrics.jsonl stays JSON: a non-finite float (a test loss that overflowed, a diagnostic)
+    is written as null, never as a bare NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 @torch.no_grad()
 def evaluate(model, test, comm, task: tasks.Task = tasks.CLASSIFICATION,
              batch_size: int = 1000) -> tuple[float, float]:
@@ -131,18 +142,85 @@ def evaluate(model, test, comm, task: tasks.Task = tasks.CLASSIFICATION,
     return sums[0].item() / count, sums[1].item() / count
 
 
-def _agree_on_failure(comm, error: Exception | None) -> None:
-    """Every rank learns whether any rank failed to load its data, so none waits forever at
-    the first collective; the rank that failed re-raises its own (named) error."""
+def _agree_on_failure(comm, error: Exception | None, what: str = "its data") -> None:
+    """Every rank learns whether any rank failed to load its data (or checkpoint), so none waits
+    forever at the next collective; the rank that failed re-raises its own (named) error."""
     flag = torch.tensor([1.0 if error else 0.0], device=comm.device)
     comm.all_reduce_sum_(flag)
     if error is not None:
         raise error
     if flag.item() > 0:
-        raise DataError("data: another rank could not load its data (see its message)")
+        raise DataError(f"data: another rank could not load {what} (see its message)")
+
+
+class _RankZeroRefused(UserError):
+    """Rank 0 stopped the run and said why in one line; the other ranks end with its status
+    without saying it again."""
+
+    def __init__(self, exit_code: int):
+        super().__init__(f"rank 0 stopped the run (exit status {exit_code})")
+        self.exit_code = exit_code
+
+
+def _agree_with_rank_zero(comm, error: Exception | None, value: int = 0) -> int:
+    """Rank 0's verdict (its error's exit status, or 0 and ``value``) reaches every rank, so no
+    rank waits forever at the next collective for a rank 0 that has stopped."""
+    verdict = torch.tensor([float(getattr(error, "exit_code", 1) if error else 0), float(value)],
+                           dtype=torch.float64, device=comm.device)
+    comm.broadcast_(verdict)
+    if error is not None:
+        raise error
+    if verdict[0].item() != 0:
+        raise _RankZeroRefused(int(verdict[0].item()))
+    return int(verdict[1].item())
 
 
 def run(cfg: config.Config, comm) -> dict:
+    """One run, start to end. Before any data is loaded rank 0 checks and locks ``run.out_dir``
+    (held to the end) and decides where the run starts: a fresh run refuses a folder holding
+    results unless ``run.overwrite``; a resume takes the newest complete checkpoint of the
+    same run identity."""
+    lock, error, resume_round = None, None, 0
+    if comm.is_main:
+        try:
+            lock = outdir.open_out_dir(cfg.run.out_dir)
+            if cfg.run.resume:
+                resume_round = _choose_checkpoint(cfg)
+            else:
+                outdir.refuse_or_clear(cfg.run.out_dir, cfg.run.overwrite)
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is re-raised
+            error = exc
+    try:
+        resume_round = _agree_with_rank_zero(comm, error, resume_round)
+        return _run(cfg, comm, resume_round)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _choose_checkpoint(cfg: config.Config) -> int:
+    """The round of the newest complete checkpoint in out_dir, of this run (0: none yet)."""
+    ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
+    folder, manifest, skipped = checkpoint.newest_complete(ckpt_root)
+    if folder is None:
+        if skipped:
+            raise DataError(f"checkpoints: {len(skipped)} round folder(s) in {ckpt_root} but none is "
+                            f"complete ({'; '.join(skipped)}); nothing to resume: start over with "
+                            "run.resume=false run.overwrite=true")
+        return 0
+    changes = checkpoint.identity_changes(manifest["identity"], checkpoint.identity(cfg))
+    if changes:
+        raise ConfigError(f"run.resume: the checkpoint {folder} is of another run: {'; '.join(changes)}; "
+                          "resume with its values, or start a new run in another run.out_dir")
+    if manifest["round"] > cfg.run.rounds:
+        raise ConfigError(f"run.rounds: {cfg.run.rounds} is below the round of the checkpoint {folder} "
+                          f"({manifest['round']}); set run.rounds >= {manifest['round']} to continue it")
+    why = f"; skipped {'; '.join(skipped)}" if skipped else ""
+    print(f"fedddp: resuming from round {manifest['round']} ({folder}){why}", file=sys.stderr, flush=True)
+    return manifest["round"]
+
+
+def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     rc = cfg.run
     torch.set_num_threads(rc.num_threads)
     device = comm.device
@@ -178,29 +256,30 @@ def run(cfg: config.Config, comm) -> dict:
     static = _static_stacks(needs, cfg, layout, device)
     report = ReportLayout(needs, layout.numel, num_layers)
 
-    start_round = 1
-    if rc.resume and (folder := checkpoint.latest(ckpt_root)) is not None:
-        saved, saved_clients = checkpoint.load(folder, set(owned), device)
+    start_round, last_ckpt = 1, None
+    if resume_round:
+        last_ckpt = checkpoint.round_dir(ckpt_root, resume_round)
+        try:
+            saved, saved_clients = checkpoint.load(last_ckpt, set(owned), device)
+        except DataError as exc:
+            error = exc
+        _agree_on_failure(comm, error, "the checkpoint")
         client_states.restore(saved_clients)
         del saved_clients
         global_P.copy_(saved["global_P"])
         state = saved["state"]
         start_round = int(saved["round"]) + 1
     comm.broadcast_(global_P)
+    run_identity = checkpoint.identity(cfg)
 
     if comm.is_main:
-        os.makedirs(rc.out_dir, exist_ok=True)
-        with open(os.path.join(rc.out_dir, "config.toml"), "w") as fh:
-            fh.write(config.dumps(cfg))
-        metrics_path = os.path.join(rc.out_dir, "metrics.jsonl")
-        if not rc.resume:
-            # A fresh run is never continued from an older run's checkpoints, e.g. by a torchrun
-            # restart that comes before this run's first checkpoint.
-            checkpoint.forget(ckpt_root)
-        if start_round == 1 and os.path.exists(metrics_path):
-            os.remove(metrics_path)
-        elif start_round > 1:
-            _truncate_metrics(metrics_path, start_round - 1)
+        with outdir.disk_full_is_one_line("config.toml and metrics.jsonl", rc.out_dir, last_ckpt):
+            checkpoint.atomic_write_text(config.dumps(cfg), os.path.join(rc.out_dir, "config.toml"))
+            metrics_path = os.path.join(rc.out_dir, "metrics.jsonl")
+            if start_round == 1 and os.path.exists(metrics_path):
+                os.remove(metrics_path)
+            elif start_round > 1:
+                _truncate_metrics(metrics_path, start_round - 1)
     progress = Progress(rc.rounds, rc.progress and comm.is_main, task.metric_key)
     if comm.is_main:
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
@@ -255,6 +334,11 @@ def run(cfg: config.Config, comm) -> dict:
             global_P, state, diagnostics = strategy.aggregate(global_P, stacks, state, cfg.algorithm)
             train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
             train_s_R = _per_rank_seconds(stacks["train_time_K"], sampled, comm.world_size)
+        # -- divergence: a non-finite model or loss ends the run before this round writes anything
+        error = None
+        if comm.is_main and not (math.isfinite(train_loss) and bool(torch.isfinite(global_P).all())):
+            error = _diverged(cfg, round_idx, train_loss, global_P, last_ckpt)
+        _agree_with_rank_zero(comm, error)
         t_agg = time.perf_counter()
 
         # -- broadcast the new global model (and the state clients must see) ----------------
@@ -277,7 +361,8 @@ def run(cfg: config.Config, comm) -> dict:
             server = {"round": round_idx, "global_P": global_P.cpu(),
                       "state": {k: v.cpu() for k, v in state.items()},
                       "torch_rng": torch.get_rng_state()} if comm.is_main else None
-            checkpoint.save(comm, ckpt_root, round_idx, server, client_states)
+            with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", ckpt_root, last_ckpt):
+                last_ckpt = checkpoint.save(comm, ckpt_root, round_idx, server, client_states, run_identity)
         t_ckpt = time.perf_counter()
 
         if comm.is_main:
@@ -292,15 +377,22 @@ def run(cfg: config.Config, comm) -> dict:
                     "aggregate_s": t_agg - t_gather, "evaluate_s": t_eval - t_bcast,
                     "checkpoint_s": t_ckpt - t_eval, "clients": sampled}
             line.update({k: _to_json(v) for k, v in diagnostics.items()})
-            with open(os.path.join(rc.out_dir, "metrics.jsonl"), "a") as fh:
-                fh.write(json.dumps(line) + "\n")
+            line = {k: _finite_or_null(v) for k, v in line.items()}
+            with outdir.disk_full_is_one_line("metrics.jsonl", rc.out_dir, last_ckpt), \
+                    open(os.path.join(rc.out_dir, "metrics.jsonl"), "a") as fh:
+                fh.write(json.dumps(line, allow_nan=False) + "\n")
             progress.update(round_idx, start_round, line)
         last_round = round_idx
         if stopping:
             break
 
     if comm.is_main and last_round == rc.rounds:
-        checkpoint.atomic_save(layout.state_dict(global_P), os.path.join(rc.out_dir, "final.pt"))
+        with outdir.disk_full_is_one_line("final.pt", rc.out_dir, last_ckpt):
+            checkpoint.atomic_save(layout.state_dict(global_P), os.path.join(rc.out_dir, "final.pt"))
+    elif comm.is_main and last_round == rc.stop_after:
+        how = (f"continue from {last_ckpt} with run.resume=true" if last_ckpt else
+               "no checkpoint was written (run.ckpt_every = 0), so run.resume=true would start over")
+        print(f"fedddp: stopped after round {last_round} (run.stop_after); {how}", file=sys.stderr, flush=True)
     comm.barrier()
     client_states.close()
     return {"last_round": last_round, "global_P": global_P}
@@ -327,6 +419,17 @@ def _per_rank_seconds(train_time_K: torch.Tensor, sampled: list[int], world_size
     for cid, sec in zip(sampled, train_time_K.tolist()):
         seconds[owner(cid, world_size)] += sec
     return seconds
+
+
+def _diverged(cfg: config.Config, round_idx: int, train_loss: float, global_P: torch.Tensor,
+              last_ckpt: str | None) -> DivergenceError:
+    what = "the global model" if not bool(torch.isfinite(global_P).all()) else "the training loss"
+    saved = f"last checkpoint {last_ckpt}" if last_ckpt else "no checkpoint yet"
+    return DivergenceError(
+        f"round {round_idx}: the run diverged: {what} is not finite (train loss {train_loss}); stopped "
+        f"before writing anything of round {round_idx} ({saved}); likely cause: steps too large for this "
+        f"model and data (train.lr = {cfg.train.lr}, algorithm.server_lr = {cfg.algorithm.server_lr}): "
+        "lower them and start over with run.overwrite=true")
 
 
 def _truncate_metrics(path: str, last_round: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedddp import checkpoint, config
+from fedddp import checkpoint, config, env
 from fedddp.client.state import MmapStore, open_store
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
@@ -62,16 +62,10 @@ def test_mmap_store_is_sparse_scratch_and_checks_shapes(tmp_path):
 
 
 def test_checkpoint_captures_mmap_state(tmp_path):
-    class OneRank:
-        rank, is_main = 0, True
-
-        def barrier(self):
-            pass
-
     store = MmapStore(str(tmp_path / "cs"), [0, 2, 4], CPU)
     store.client(2)["c"] = torch.randn(1000)
     store.client(4)["prev"] = torch.randn(10)
-    checkpoint.save(OneRank(), str(tmp_path / "ck"), 1, {"round": 1}, store)
+    checkpoint.save(Comm(env.resolve({}), "cpu"), str(tmp_path / "ck"), 1, {"round": 1}, store)
     _, loaded = checkpoint.load(checkpoint.latest(str(tmp_path / "ck")), {0, 2, 4}, CPU)
     assert sorted(loaded) == [2, 4]
     assert torch.equal(loaded[2]["c"], store.client(2)["c"])
@@ -121,7 +115,7 @@ def test_resume_equivalence_scaffold_mmap(tmp_path):
     run_fedddp(args + [f"run.out_dir={part}", "run.stop_after=3"], nproc=2)
     assert not (part / "final.pt").exists()
     shards = sorted(p.name for p in (part / "checkpoints" / "round_000003").iterdir())
-    assert shards == ["clients_rank0.pt", "clients_rank1.pt", "server.pt"]
+    assert shards == ["clients_rank0.pt", "clients_rank1.pt", "manifest.json", "server.pt"]
     saved = torch.load(part / "checkpoints" / "round_000003" / "clients_rank1.pt", weights_only=True)
     assert saved and all(cid % 2 == 1 and set(s) == {"control_P"} for cid, s in saved.items())
     run_fedddp(args + [f"run.out_dir={part}", "run.resume=true"], nproc=4)

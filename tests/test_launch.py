@@ -78,7 +78,7 @@ def test_submitit_local_executor_runs_one_rank_per_task(tmp_path, reference, loc
     assert [m["round"] for m in metrics(out)] == [1, 2, 3, 4]
     # Two ranks really ran: each wrote the client-state shard of the clients it owns.
     shards = sorted(os.listdir(out / "checkpoints" / "round_000004"))
-    assert shards == ["clients_rank0.pt", "clients_rank1.pt", "server.pt"]
+    assert shards == ["clients_rank0.pt", "clients_rank1.pt", "manifest.json", "server.pt"]
     assert_same_state(final_state(reference), final_state(out))
 
 

@@ -70,17 +70,24 @@ def test_restarted_worker_resumes_without_being_told(tmp_path, monkeypatch, caps
     assert_same_state(final_state(full), final_state(part))
 
 
-def test_fresh_run_drops_an_older_runs_latest(tmp_path):
-    """A fresh run in a used out_dir must not be resumable from the older run's checkpoint: a
-    torchrun restart before the fresh run's first checkpoint would continue the wrong run."""
+def test_fresh_run_into_an_older_runs_folder_is_refused_or_replaces_it(tmp_path, capsys):
+    """A fresh run in a used out_dir silently deleted the older run's metrics and could be
+    resumed from its checkpoints (a torchrun restart before the fresh run's first checkpoint
+    continued the wrong run). Now it is refused, or with run.overwrite=true replaces them all."""
     out = tmp_path / "o"
     assert fedddp_main([QUICKSTART, "run.rounds=2", "run.ckpt_every=2", "run.progress=false",
                         f"run.out_dir={out}"]) == 0
-    assert (out / "checkpoints" / "LATEST").read_text() == "round_000002"
-    assert fedddp_main([QUICKSTART, "run.rounds=1", "run.ckpt_every=0", "run.progress=false",
-                        f"run.out_dir={out}"]) == 0
-    assert not (out / "checkpoints" / "LATEST").exists()
-    assert (out / "checkpoints" / "round_000002").is_dir()  # data are not deleted
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    second = [QUICKSTART, "run.rounds=1", "run.ckpt_every=0", "run.progress=false", f"run.out_dir={out}"]
+    assert fedddp_main(second) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{out} already holds" in err[0], err
+    assert "run.resume=true" in err[0] and "run.overwrite=true" in err[0] and "run.out_dir" in err[0]
+    assert (out / "metrics.jsonl").read_text() == before
+    assert fedddp_main(second + ["run.overwrite=true"]) == 0
+    assert not (out / "checkpoints").exists()  # nothing of the older run can be resumed
+    assert [m["round"] for m in metrics(out)] == [1]
 
 
 def _payload(round_idx: int) -> dict:
