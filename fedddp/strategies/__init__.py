@@ -96,7 +96,7 @@ def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Ten
     """sum_k w_k rows_k in one pass over [K, P]: the fused CPU kernel (whose client-order sums
     every other kernel repeats, so a rule's neutral setting gives these bits), else one
     matrix-vector product."""
-    lib = kernels.lib(rows_KP)
+    lib = kernels.lib(rows_KP, rule="fedavg")
     if lib is None:
         return weights_K.to(rows_KP.dtype) @ rows_KP
     bounds_R1 = torch.tensor([0, rows_KP.shape[1]])

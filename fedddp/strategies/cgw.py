@@ -80,7 +80,7 @@ def aggregate(global_P, stacks, state, hp):
     x_K, c, num_zero = corrective_weights_K(sq_norm_K, m_K, stacks["full_loss_K"],
                                             float(hp.cgw_alpha))
     x_K = x_K.to(params_KP.dtype)
-    lib = kernels.lib(params_KP, grads_KP)
+    lib = kernels.lib(params_KP, grads_KP, rule="cgw")
     if lib is not None:   # the average and the correction in one pass over W and D
         new_global_P = kernels.cgw(lib, params_KP, grads_KP, weights_K, x_K)
     else:
