@@ -125,6 +125,58 @@ int fd_cgw(const float *W, const float *D, int64_t K, int64_t ldw, int64_t ldd, 
     return 0;
 }
 
+/* CGW's statistics, in double: sq_norm[k] = ||D_k||^2 and m[k] = D_k . D, where D = sum_k D_k
+ * is eq. 29's summed gradient. D is summed first, in double: near a stationary point the
+ * clients' gradients nearly cancel (||D|| << ||D_k||) and any float32 route to m (a float32
+ * Gram matrix, or a float32 D) loses its digits; products in double neither underflow for a
+ * tiny but nonzero D_k nor overflow. Both sums over j run in 16 partial sums by j mod 16, so
+ * the bits do not depend on the vector width. A block of the K rows (K * 8 KiB) is read from
+ * memory by the first pass and from cache by the second. */
+int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_norm, double *m) {
+    colsum_t *sq = calloc(K, sizeof *sq), *dot = calloc(K, sizeof *dot);
+    double *total = malloc(sizeof(double) * BLOCK_COLS);
+    if (!sq || !dot || !total) { free(sq); free(dot); free(total); return 1; }
+    for (int64_t col = 0; col < P; col += BLOCK_COLS) {
+        int64_t width = P - col < BLOCK_COLS ? P - col : BLOCK_COLS;
+        const float *block = D + col;
+        for (int64_t j = 0; j < width; j++) total[j] = 0.0;
+        for (int64_t k = 0; k < K; k++) {
+            const float *restrict r = block + k * ld;
+            for (int64_t j = 0; j < width; j++) total[j] += r[j];
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const float *restrict r = block + k * ld;
+            double sq_part[PARTS], dot_part[PARTS];
+            memcpy(sq_part, sq[k].part, sizeof sq_part);
+            memcpy(dot_part, dot[k].part, sizeof dot_part);
+            for (int64_t j0 = 0; j0 < width; j0 += PARTS) {
+                int64_t n = width - j0 < PARTS ? width - j0 : PARTS;
+                if (n == PARTS) {
+                    for (int i = 0; i < PARTS; i++) {
+                        double d = r[j0 + i];
+                        sq_part[i] += d * d;
+                        dot_part[i] += d * total[j0 + i];
+                    }
+                } else {
+                    for (int i = 0; i < n; i++) {
+                        double d = r[j0 + i];
+                        sq_part[i] += d * d;
+                        dot_part[i] += d * total[j0 + i];
+                    }
+                }
+            }
+            memcpy(sq[k].part, sq_part, sizeof sq_part);
+            memcpy(dot[k].part, dot_part, sizeof dot_part);
+        }
+    }
+    for (int64_t k = 0; k < K; k++) {
+        sq_norm[k] = colsum_total(&sq[k]);
+        m[k] = colsum_total(&dot[k]);
+    }
+    free(sq); free(dot); free(total);
+    return 0;
+}
+
 /* -- register chunks ---------------------------------------------------------------------- */
 
 #ifndef LANES

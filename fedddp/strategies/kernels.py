@@ -52,6 +52,7 @@ SIGNATURES = {
     "fd_mix": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
     "fd_fedmom": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F, _PTR, _DPTR],
     "fd_cgw": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
+    "fd_cgw_stats": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
     "fd_fedgma": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I32, _I32, _F, _PTR, _DPTR],
     "fd_fedcong": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I32, _PTR, _LPTR],
 }
@@ -334,6 +335,16 @@ def cgw(lib, rows_KP, grads_KP, weights_K, x_K):
                       grads_KP.stride(0), num_params, weights_K.data_ptr(), x_K.data_ptr(),
                       out_P.data_ptr()))
     return out_P
+
+
+def cgw_stats(lib, grads_KP):
+    """(||D_k||^2, D_k . sum_j D_j) as float64 [K] tensors, every sum in float64."""
+    num_clients, num_params = grads_KP.shape
+    sq_norm_K = torch.empty(num_clients, dtype=torch.float64)
+    m_K = torch.empty(num_clients, dtype=torch.float64)
+    _check(lib.fd_cgw_stats(grads_KP.data_ptr(), num_clients, grads_KP.stride(0), num_params,
+                            sq_norm_K.data_ptr(), m_K.data_ptr()))
+    return sq_norm_K, m_K
 
 
 def fedgma(lib, rows_KP, grads_KP, weights_K, global_P, need: int, soft: bool, server_lr: float):
