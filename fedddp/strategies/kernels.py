@@ -44,7 +44,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
 # -ffp-contract=off: no fused multiply-add, so the bits do not depend on the CPU's instruction
 # set; -march=native only widens the vectors (columns are independent).
 FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fPIC", "-shared"]
-NATIVE = ["-march=native"]
 
 _F, _I64, _I32 = ctypes.c_float, ctypes.c_int64, ctypes.c_int32
 _PTR, _DPTR, _LPTR = ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int64)
@@ -78,13 +77,14 @@ def cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fedddp")
 
 
-def compile_library(native: bool = True) -> ctypes.CDLL:
-    """Build (or find in the cache) and load kernels.c; native=False leaves out -march=native
-    (the baseline instruction set: the tests compare its bits with the native build's)."""
+def compile_library(march: str | None = "native") -> ctypes.CDLL:
+    """Build (or find in the cache) and load kernels.c for ``-march=<march>``; None: the
+    compiler's baseline instruction set (the tests compare the bits of several builds). A
+    compiler without -march=native still builds the baseline."""
     with open(SOURCE, "rb") as fh:
         source = fh.read()
     compiler = os.environ.get("CC", "cc")
-    targets = (NATIVE, []) if native else ([],)
+    targets = ([f"-march={march}"], []) if march else ([],)
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + targets[0]).encode(), compiler.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     folder = cache_dir()
