@@ -125,58 +125,6 @@ int fd_cgw(const float *W, const float *D, int64_t K, int64_t ldw, int64_t ldd, 
     return 0;
 }
 
-/* CGW's statistics, in double: sq_norm[k] = ||D_k||^2 and m[k] = D_k . D, where D = sum_k D_k
- * is eq. 29's summed gradient. D is summed first, in double: near a stationary point the
- * clients' gradients nearly cancel (||D|| << ||D_k||) and any float32 route to m (a float32
- * Gram matrix, or a float32 D) loses its digits; products in double neither underflow for a
- * tiny but nonzero D_k nor overflow. Both sums over j run in 16 partial sums by j mod 16, so
- * the bits do not depend on the vector width. A block of the K rows (K * 8 KiB) is read from
- * memory by the first pass and from cache by the second. */
-int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_norm, double *m) {
-    colsum_t *sq = calloc(K, sizeof *sq), *dot = calloc(K, sizeof *dot);
-    double *total = malloc(sizeof(double) * BLOCK_COLS);
-    if (!sq || !dot || !total) { free(sq); free(dot); free(total); return 1; }
-    for (int64_t col = 0; col < P; col += BLOCK_COLS) {
-        int64_t width = P - col < BLOCK_COLS ? P - col : BLOCK_COLS;
-        const float *block = D + col;
-        for (int64_t j = 0; j < width; j++) total[j] = 0.0;
-        for (int64_t k = 0; k < K; k++) {
-            const float *restrict r = block + k * ld;
-            for (int64_t j = 0; j < width; j++) total[j] += r[j];
-        }
-        for (int64_t k = 0; k < K; k++) {
-            const float *restrict r = block + k * ld;
-            double sq_part[PARTS], dot_part[PARTS];
-            memcpy(sq_part, sq[k].part, sizeof sq_part);
-            memcpy(dot_part, dot[k].part, sizeof dot_part);
-            for (int64_t j0 = 0; j0 < width; j0 += PARTS) {
-                int64_t n = width - j0 < PARTS ? width - j0 : PARTS;
-                if (n == PARTS) {
-                    for (int i = 0; i < PARTS; i++) {
-                        double d = r[j0 + i];
-                        sq_part[i] += d * d;
-                        dot_part[i] += d * total[j0 + i];
-                    }
-                } else {
-                    for (int i = 0; i < n; i++) {
-                        double d = r[j0 + i];
-                        sq_part[i] += d * d;
-                        dot_part[i] += d * total[j0 + i];
-                    }
-                }
-            }
-            memcpy(sq[k].part, sq_part, sizeof sq_part);
-            memcpy(dot[k].part, dot_part, sizeof dot_part);
-        }
-    }
-    for (int64_t k = 0; k < K; k++) {
-        sq_norm[k] = colsum_total(&sq[k]);
-        m[k] = colsum_total(&dot[k]);
-    }
-    free(sq); free(dot); free(total);
-    return 0;
-}
-
 /* -- register chunks ---------------------------------------------------------------------- */
 
 #ifndef LANES
@@ -251,11 +199,79 @@ static inline void colsum_add(colsum_t *s, int64_t col, vf v) {   /* col % LANES
     for (int i = 0; i < LANES; i++) dst[i] += v[i];
 }
 
+/* The lane count of this build, for the benchmark's log. */
+int fd_lanes(void) { return LANES; }
+
 /* The block of chunks that follows the one holding `col` (first of the range: `start`). */
 static inline int64_t next_block(int64_t start, int64_t col) {
     return start + ((col - start) / (LANES * BLOCK_CHUNKS) + 1) * LANES * BLOCK_CHUNKS;
 }
 #define NEW_BLOCK(start, col) (((col) - (start)) % (LANES * BLOCK_CHUNKS) == 0)
+
+/* CGW's statistics, in double: sq_norm[k] = ||D_k||^2 and m[k] = D_k . D, where D = sum_k D_k
+ * is eq. 29's summed gradient. D is summed first, in double: near a stationary point the
+ * clients' gradients nearly cancel (||D|| << ||D_k||) and any float32 route to m (a float32
+ * Gram matrix, or a float32 D) loses its digits; products in double neither underflow for a
+ * tiny but nonzero D_k nor overflow. Both sums over j run in 16 partial sums by j mod 16 (held
+ * as vectors of LANES / 2 doubles), so the bits do not depend on the vector width. A block of
+ * the K rows (K * 8 KiB) is read from memory by the first pass and from cache by the second. */
+typedef double vd __attribute__((vector_size(4 * LANES)));          /* LANES / 2 doubles */
+typedef float vh __attribute__((vector_size(2 * LANES)));           /* LANES / 2 floats */
+#define HALF (LANES / 2)
+#define NQ (PARTS / HALF)                                           /* vectors per 16 columns */
+
+static inline vd load_wide(const float *p) { vh h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, vd); }
+static inline vd load_d(const double *p) { vd v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_d(double *p, vd v) { memcpy(p, &v, sizeof v); }
+
+int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_norm, double *m) {
+    colsum_t *sq = calloc(K, sizeof *sq), *dot = calloc(K, sizeof *dot);
+    double *total = malloc(sizeof(double) * BLOCK_COLS);
+    if (!sq || !dot || !total) { free(sq); free(dot); free(total); return 1; }
+    for (int64_t col = 0; col < P; col += BLOCK_COLS) {
+        int64_t width = P - col < BLOCK_COLS ? P - col : BLOCK_COLS;
+        int64_t full = width - width % PARTS;                       /* columns in whole vectors */
+        const float *block = D + col;
+        for (int64_t j = 0; j < width; j++) total[j] = 0.0;
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {                                /* the total touched once per 4 rows */
+            const float *r0 = block + k * ld, *r1 = r0 + ld, *r2 = r1 + ld, *r3 = r2 + ld;
+            for (int64_t j = 0; j < full; j += HALF)
+                store_d(total + j, (((load_d(total + j) + load_wide(r0 + j)) + load_wide(r1 + j))
+                                   + load_wide(r2 + j)) + load_wide(r3 + j));
+            for (int64_t j = full; j < width; j++)
+                total[j] = (((total[j] + r0[j]) + r1[j]) + r2[j]) + r3[j];
+        }
+        for (; k < K; k++) {
+            const float *r = block + k * ld;
+            for (int64_t j = 0; j < full; j += HALF) store_d(total + j, load_d(total + j) + load_wide(r + j));
+            for (int64_t j = full; j < width; j++) total[j] += r[j];
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const float *r = block + k * ld;
+            vd sq_v[NQ], dot_v[NQ];
+            for (int q = 0; q < NQ; q++) { sq_v[q] = load_d(sq[k].part + q * HALF); dot_v[q] = load_d(dot[k].part + q * HALF); }
+            for (int64_t j0 = 0; j0 < full; j0 += PARTS)
+                for (int q = 0; q < NQ; q++) {
+                    vd d = load_wide(r + j0 + q * HALF);
+                    sq_v[q] += d * d;
+                    dot_v[q] += d * load_d(total + j0 + q * HALF);
+                }
+            for (int q = 0; q < NQ; q++) { store_d(sq[k].part + q * HALF, sq_v[q]); store_d(dot[k].part + q * HALF, dot_v[q]); }
+            for (int64_t j = full; j < width; j++) {                /* the tail: partial j - full */
+                double d = r[j];
+                sq[k].part[j - full] += d * d;
+                dot[k].part[j - full] += d * total[j];
+            }
+        }
+    }
+    for (int64_t k = 0; k < K; k++) {
+        sq_norm[k] = colsum_total(&sq[k]);
+        m[k] = colsum_total(&dot[k]);
+    }
+    free(sq); free(dot); free(total);
+    return 0;
+}
 
 /* FedGMA: out = mean - eta * mask * sum_k p_k g_k, mask from |sum_k sign(g_kj)| >= need (soft:
  * agreement / K below the threshold). G == NULL: g_k = w - w_k (the update delta).

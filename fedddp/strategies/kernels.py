@@ -11,7 +11,7 @@ atomic (a temporary file renamed into place), so ranks or jobs racing on it are 
 
 Which form is faster depends on the CPU (vector width, memory system) and on torch's BLAS, so
 each rule's form is measured, not assumed: on first use a probe times both forms of every rule
-on a [16, 2^18] stack (a fraction of a second in all) and keeps the faster (the kernel unless
+on a [16, 300007] stack (a fraction of a second in all) and keeps the faster (the kernel unless
 the torch ops win by more than 25%, see TORCH_MARGIN); the choice is cached beside the built
 library (same CPU hash) with the torch version it was measured against. FedMom, FedGMA and CGW take their kernel only where FedAvg does, so that
 their neutral settings keep giving FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c`` or
@@ -72,6 +72,25 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
+def cpu_description() -> str:
+    """The CPU's model name and widest vector instruction set, e.g. "AMD EPYC; AVX2 + FMA"."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("model name", "Model", "CPU part")):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = set(_cpu_signature().split(":")[-1].split())
+    for flag, isa in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sve", "SVE"),
+                      ("asimd", "NEON"), ("sse2", "SSE2")):
+        if flag in flags:
+            return f"{model}; {isa}" + (" + FMA" if "fma" in flags and flag.startswith("avx") else "")
+    return f"{model}; {platform.machine()}"
+
+
 def cache_dir() -> str:
     return os.environ.get("FEDDDP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fedddp")
@@ -111,6 +130,7 @@ def compile_library(march: str | None = "native") -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    library.fd_lanes.argtypes, library.fd_lanes.restype = [], ctypes.c_int
     return library
 
 
@@ -135,7 +155,9 @@ RULES = ("fedavg", "feder", "fedmom", "cgw", "fedgma", "fedcong")
 # mean as fd_mix does, their torch-op form through weighted_mean_P (FedAvg's form), so they may
 # take the kernel only where FedAvg does.
 NEUTRAL_IS_FEDAVG = ("fedmom", "cgw", "fedgma")
-PROBE_CLIENTS, PROBE_PARAMS = 16, 1 << 18     # a 16 MiB stack: past L2, as real stacks are
+# A 19 MB stack: past L2, as real stacks are. Not a power of two: rows 2^k floats apart share
+# cache sets and made the row-streaming kernels look 1.5x slower than on any real model.
+PROBE_CLIENTS, PROBE_PARAMS = 16, 300_007
 # The kernel is kept unless the torch-op form is faster by more than this: within it the two are
 # equal to the probe's accuracy (on a 2-core machine at load average 4, successive probes put
 # FedAvg's torch/kernel speed ratio anywhere from 0.8 to 1.2), and the kernel's bits are the
