@@ -5,6 +5,7 @@
     python bench/aggregate.py --threads 2   # torch intra-op threads (default 1 = run.num_threads)
     python bench/aggregate.py --rules fedcong,cgw --counts 4 --models resnet18-c100 --no-naive
     python bench/aggregate.py --quick --march x86-64-v3   # the AVX2 kernels on any x86-64-v3 CPU
+    python bench/aggregate.py --quick --lanes 16          # A/B: FedGMA's and FedCong's lane count
 
 For each rule, K in {4, 32, 100} and P of seed 002's CNN (MNIST) and of ResNet-18 (CIFAR-100,
 buffers included, as fedddp flattens them), it prints one Markdown row:
@@ -189,6 +190,9 @@ def main() -> None:
     parser.add_argument("--march", default="native",
                         help="-march of the C kernels' build (e.g. x86-64-v3: the AVX2 code path on "
                              "an AVX-512 machine; 'baseline': the compiler's default)")
+    parser.add_argument("--lanes", type=int, default=None,
+                        help="lane count of the register-chunk kernels (FedGMA, FedCong) instead of "
+                             "the instruction set's (16 AVX-512, 8 AVX2, 4 otherwise)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (the runtime pins run.num_threads, default 1)")
     parser.add_argument("--clock", choices=tuple(CLOCK), default=None,
@@ -219,7 +223,8 @@ def main() -> None:
     if device.type == "cpu":
         print(f"cpu: {kernels.cpu_description()}")
         try:
-            kernels._loaded = kernels.compile_library(None if args.march == "baseline" else args.march)
+            kernels._loaded = kernels.compile_library(None if args.march == "baseline" else args.march,
+                                                      args.lanes)
             print(f"C kernels: -march={args.march}, {kernels._loaded.fd_lanes()}-lane vectors")
         except OSError as exc:
             print(f"C kernels: unavailable ({exc})")

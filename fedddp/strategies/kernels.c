@@ -1,8 +1,8 @@
 /* Fused CPU kernels of the server rules: one pass over the stacked [K, P] float32 reports.
  *
  * Two shapes of loop, each the faster one for its kernels (bench/aggregate.py, BENCHMARKS.md):
- * - Row streaming (fd_mix, fd_fedmom, fd_cgw: weighted sums only). A block of BLOCK_COLS
- *   columns is summed into an accumulator that stays in L1, four client rows per pass, so
+ * - Row streaming (fd_mix, fd_fedmom, fd_cgw, fd_cgw_stats: sums only). A block of columns is
+ *   summed into an accumulator that stays in cache, four client rows per pass, so
  *   every row is read as one long contiguous stretch (the hardware prefetcher follows it) and
  *   the accumulator is loaded and stored once per four rows. Plain C loops that the compiler
  *   vectorises for whatever the CPU has (SSE2, AVX2, AVX-512, NEON).
@@ -53,9 +53,10 @@ static double colsum_total(const colsum_t *s) {
 
 /* -- row streaming ------------------------------------------------------------------------ */
 
-/* Columns per block: 2048 floats = 8 KiB of accumulator (CGW holds two), in L1 with the rows'
- * lines passing through; a multiple of PARTS. */
-#define BLOCK_COLS 2048
+/* Columns per block: 8192 floats = 32 KiB of accumulator (L1 or L2). Longer stretches of each
+ * row stream better than short ones (2048 columns ran measurably slower at K = 8-16 on the
+ * AVX2 machine); a multiple of PARTS. */
+#define BLOCK_COLS 8192
 
 /* acc[j] = sum_k p_k rows[k * ld + j] for j < width, k in order: four rows per pass over acc. */
 static void weighted_rows(const float *rows, int64_t K, int64_t ld, const float *p, int64_t width,
@@ -214,7 +215,7 @@ static inline int64_t next_block(int64_t start, int64_t col) {
  * Gram matrix, or a float32 D) loses its digits; products in double neither underflow for a
  * tiny but nonzero D_k nor overflow. Both sums over j run in 16 partial sums by j mod 16 (held
  * as vectors of LANES / 2 doubles), so the bits do not depend on the vector width. A block of
- * the K rows (K * 8 KiB) is read from memory by the first pass and from cache by the second. */
+ * the K rows is read from memory by the first pass and from cache by the second. */
 typedef double vd __attribute__((vector_size(4 * LANES)));          /* LANES / 2 doubles */
 typedef float vh __attribute__((vector_size(2 * LANES)));           /* LANES / 2 floats */
 #define HALF (LANES / 2)
@@ -224,12 +225,14 @@ static inline vd load_wide(const float *p) { vh h; memcpy(&h, p, sizeof h); retu
 static inline vd load_d(const double *p) { vd v; memcpy(&v, p, sizeof v); return v; }
 static inline void store_d(double *p, vd v) { memcpy(p, &v, sizeof v); }
 
+#define STATS_COLS 2048        /* the K rows of a block (K * 8 KiB) stay in L2 for the second pass */
+
 int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_norm, double *m) {
     colsum_t *sq = calloc(K, sizeof *sq), *dot = calloc(K, sizeof *dot);
-    double *total = malloc(sizeof(double) * BLOCK_COLS);
+    double *total = malloc(sizeof(double) * STATS_COLS);
     if (!sq || !dot || !total) { free(sq); free(dot); free(total); return 1; }
-    for (int64_t col = 0; col < P; col += BLOCK_COLS) {
-        int64_t width = P - col < BLOCK_COLS ? P - col : BLOCK_COLS;
+    for (int64_t col = 0; col < P; col += STATS_COLS) {
+        int64_t width = P - col < STATS_COLS ? P - col : STATS_COLS;
         int64_t full = width - width % PARTS;                       /* columns in whole vectors */
         const float *block = D + col;
         for (int64_t j = 0; j < width; j++) total[j] = 0.0;

@@ -96,15 +96,17 @@ def cache_dir() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fedddp")
 
 
-def compile_library(march: str | None = "native") -> ctypes.CDLL:
+def compile_library(march: str | None = "native", lanes: int | None = None) -> ctypes.CDLL:
     """Build (or find in the cache) and load kernels.c for ``-march=<march>``; None: the
     compiler's baseline instruction set (the tests compare the bits of several builds). A
-    compiler without -march=native still builds the baseline."""
+    compiler without -march=native still builds the baseline. ``lanes`` overrides the
+    register-chunk kernels' lane count (for A/B measurements, bench/aggregate.py --lanes)."""
     with open(SOURCE, "rb") as fh:
         source = fh.read()
     compiler = os.environ.get("CC", "cc")
+    flags = FLAGS + ([f"-DLANES={lanes}"] if lanes else [])
     targets = ([f"-march={march}"], []) if march else ([],)
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + targets[0]).encode(), compiler.encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags + targets[0]).encode(), compiler.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     folder = cache_dir()
     path = os.path.join(folder, f"kernels-{key}.so")
@@ -115,7 +117,7 @@ def compile_library(march: str | None = "native") -> ctypes.CDLL:
         try:
             errors = ""
             for extra in targets:  # a compiler without -march=native still builds it
-                done = subprocess.run([compiler, *FLAGS, *extra, "-o", tmp, SOURCE],
+                done = subprocess.run([compiler, *flags, *extra, "-o", tmp, SOURCE],
                                       capture_output=True, text=True)
                 if done.returncode == 0:
                     break
