@@ -99,8 +99,7 @@ def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Ten
     lib = kernels.lib(rows_KP, rule="fedavg")
     if lib is None:
         return weights_K.to(rows_KP.dtype) @ rows_KP
-    bounds_R1 = torch.tensor([0, rows_KP.shape[1]])
-    return kernels.mix(lib, rows_KP, weights_K[None], bounds_R1)
+    return kernels.mean(lib, rows_KP, weights_K)
 
 
 def column_block(num_rows: int, device: torch.device) -> int:

@@ -326,7 +326,20 @@ def _check(status: int) -> None:
 
 
 def _vector(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float32 and t.is_contiguous():   # the common case, without ~8 us of ops
+        return t
     return t.to(torch.float32).contiguous()
+
+
+def mean(lib, rows_KP: torch.Tensor, weights_K: torch.Tensor) -> torch.Tensor:
+    """out_j = sum_k weights_k rows_kj: fd_mix with one run, its bounds a ctypes array (a
+    torch.tensor costs ~16 us, a tenth of a small model's whole average)."""
+    num_clients, num_params = rows_KP.shape
+    weights_K = _vector(weights_K)
+    out_P = torch.empty(num_params, dtype=torch.float32)
+    _check(lib.fd_mix(rows_KP.data_ptr(), num_clients, rows_KP.stride(0), weights_K.data_ptr(),
+                      ctypes.addressof((ctypes.c_int64 * 2)(0, num_params)), 1, out_P.data_ptr()))
+    return out_P
 
 
 def mix(lib, rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.Tensor) -> torch.Tensor:
