@@ -194,7 +194,7 @@ def test_rules_whose_neutral_setting_is_fedavg_follow_fedavg_to_torch_ops(fresh_
     """Where FedAvg's kernel loses, FedMom, FedGMA and CGW keep their torch-op form whatever
     their own probe says, so that momentum 0 (and the other neutral settings) still give
     FedAvg's vector bit for bit in auto mode."""
-    monkeypatch.setattr(kernels, "mix", slowed(kernels.mix))
+    monkeypatch.setattr(kernels, "mean", slowed(kernels.mean))
     forms = kernels.forms()
     assert forms["fedavg"][0] == "torch"
     for rule in kernels.NEUTRAL_IS_FEDAVG:
