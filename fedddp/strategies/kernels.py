@@ -158,7 +158,7 @@ RULES = ("fedavg", "feder", "fedmom", "cgw", "fedgma", "fedcong")
 # take the kernel only where FedAvg does.
 NEUTRAL_IS_FEDAVG = ("fedmom", "cgw", "fedgma")
 # A 19 MB stack: past L2, as real stacks are. Not a power of two: rows 2^k floats apart share
-# cache sets and made the row-streaming kernels look 1.5x slower than on any real model.
+# cache sets and made the row-streaming kernels look slower than on any real model.
 PROBE_CLIENTS, PROBE_PARAMS = 16, 300_007
 # The kernel is kept unless the torch-op form is faster by more than this: within it the two are
 # equal to the probe's accuracy (on a 2-core machine at load average 4, successive probes put
@@ -168,6 +168,7 @@ TORCH_MARGIN = 1.25
 
 _forms: dict[str, tuple[str, str]] | None = None   # rule -> ("c" | "torch", why)
 _probing: str | None = None                         # the form the probe is timing
+_warned: set[str] = set()                           # FEDDDP_KERNELS values already reported
 
 
 def _mode() -> str:
@@ -175,7 +176,13 @@ def _mode() -> str:
     if _probing is not None:
         return _probing
     mode = os.environ.get("FEDDDP_KERNELS", "auto")
-    return mode if mode in ("c", "torch") else "auto"
+    if mode in ("c", "torch"):
+        return mode
+    if mode not in ("auto", "") and mode not in _warned:
+        _warned.add(mode)
+        print(f"fedddp: FEDDDP_KERNELS={mode!r} is not one of c, torch, auto; using auto (each "
+              "rule's faster form). Set FEDDDP_KERNELS=c or =torch to force one.", file=sys.stderr)
+    return "auto"
 
 
 def enabled() -> bool:
@@ -265,15 +272,16 @@ def forms() -> dict[str, tuple[str, str]]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     _forms = probe()
-    fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
-    try:
+    tmp = None
+    try:                         # atomic, as the library: jobs racing on it are safe
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
         with os.fdopen(fd, "w") as fh:
             json.dump({"torch": torch.__version__, "forms": _forms}, fh, indent=1)
         os.replace(tmp, path)
     except OSError:
         pass                     # a read-only cache: the choice is just not kept
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
     return _forms
 
