@@ -2,8 +2,9 @@
 instruction sets, and without a compiler.
 
 test_strategies.py checks both forms against the slow twins on small inputs; here the inputs
-span many 16-column chunks and 256-column blocks, the stacks are strided views as round.py
-hands them over, and K goes past the 32 rows where the kernels' prefetching matters.
+span many register chunks, prefetch blocks and 8192-column row-streaming blocks, the stacks
+are strided views as round.py hands them over, and K goes past the 32 rows where the
+kernels' prefetching matters. Then the per-machine choice of form.
 Legend: K sampled clients, P flat parameters.
 """
 
@@ -42,7 +43,7 @@ def aggregate(name, global_P, stacks, state_seed=0):
 
 @needs_compiler
 @pytest.mark.parametrize("name", sorted(FUSED))
-@pytest.mark.parametrize("num_clients,num_params", [(7, 3001), (40, 1500)])
+@pytest.mark.parametrize("num_clients,num_params", [(7, 3001), (40, 1500), (6, 17003)])
 def test_fused_and_torch_forms_agree(name, num_clients, num_params, monkeypatch):
     global_P, stacks = make_inputs(num_clients, num_params, seed=num_clients, discrete=name == "fedcong")
     stacks = as_gather_views(stacks)
@@ -71,7 +72,7 @@ def test_bits_do_not_depend_on_the_instruction_set(monkeypatch):
     if {"avx2", "fma", "bmi2", "movbe", "f16c"} <= cpu_flags():
         builds.append(kernels.compile_library("x86-64-v3"))
     monkeypatch.setenv("FEDDDP_KERNELS", "c")
-    global_P, stacks = make_inputs(9, 5003, seed=5, discrete=True)
+    global_P, stacks = make_inputs(9, 17003, seed=5, discrete=True)  # 2 blocks of 8192 + a tail
     for name in sorted(FUSED):
         results = []
         for library in builds:
