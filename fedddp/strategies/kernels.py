@@ -185,10 +185,6 @@ def _mode() -> str:
     return "auto"
 
 
-def enabled() -> bool:
-    return _mode() != "torch"
-
-
 def _probe_inputs():
     from fedddp.config import AlgorithmConfig
     from fedddp.flat import runs_R3
@@ -329,7 +325,8 @@ def describe(device: torch.device, rule: str | None = None) -> str:
 
 
 # -- calls: torch tensors in, fresh [P] output out; rows_KP may be a strided view (row stride
-# ld >= P), vectors must be contiguous. The scratch of the tail chunk is the only allocation. --
+# ld >= P), vectors must be contiguous. Scratch buffers (tail chunks, CGW's statistics) are the
+# only other allocations. --
 
 def _check(status: int) -> None:
     if status != 0:
