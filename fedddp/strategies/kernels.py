@@ -162,9 +162,12 @@ NEUTRAL_IS_FEDAVG = ("fedmom", "cgw", "fedgma")
 PROBE_CLIENTS, PROBE_PARAMS = 16, 300_007
 # The kernel is kept unless the torch-op form is faster by more than this: within it the two are
 # equal to the probe's accuracy (on a 2-core machine at load average 4, successive probes put
-# FedAvg's torch/kernel speed ratio anywhere from 0.8 to 1.2), and the kernel's bits are the
+# FedAvg's torch/kernel speed ratio anywhere from 0.8 to 1.3), and the kernel's bits are the
 # same on every CPU (BLAS's are not).
 TORCH_MARGIN = 1.25
+# A cheap rule (FedAvg: ~0.5 ms a call) is timed until both forms have had this many seconds,
+# up to PROBE_MAX_REPEATS calls each: the best of a few calls of a short one is noise.
+PROBE_BUDGET, PROBE_MAX_REPEATS = 0.04, 30
 
 _forms: dict[str, tuple[str, str]] | None = None   # rule -> ("c" | "torch", why)
 _probing: str | None = None                         # the form the probe is timing
@@ -205,8 +208,8 @@ def _probe_inputs():
 
 
 def probe(rules=RULES, repeats: int = 3) -> dict[str, tuple[str, str]]:
-    """Times both forms of each rule, alternating them (best of `repeats` calls each, after a
-    warm-up), and returns rule -> (chosen form, why). On one thread the clock is the process's
+    """Times both forms of each rule, alternating them (best of at least `repeats` calls each,
+    after a warm-up), and returns rule -> (chosen form, why). On one thread the clock is the process's
     CPU time, which leaves out the time other jobs on a shared machine take."""
     global _probing
     from fedddp import strategies
@@ -218,7 +221,10 @@ def probe(rules=RULES, repeats: int = 3) -> dict[str, tuple[str, str]]:
         strategy = strategies.get(rule)
         state = strategy.init_state(global_P, hp)
         seconds = {"c": math.inf, "torch": math.inf}
-        for rep in range(repeats + 1):
+        spent, rep = 0.0, 0
+        # at least `repeats` timed calls per form; cheap calls more, up to PROBE_BUDGET each rule
+        while rep <= repeats or (spent < PROBE_BUDGET and rep <= PROBE_MAX_REPEATS):
+            rep += 1
             for form in seconds:
                 _probing = form
                 try:
@@ -227,7 +233,8 @@ def probe(rules=RULES, repeats: int = 3) -> dict[str, tuple[str, str]]:
                     elapsed = clock() - start
                 finally:
                     _probing = None
-                if rep > 0:                              # rep 0 warms up
+                spent += elapsed
+                if rep > 1:                              # the first call warms up
                     seconds[form] = min(seconds[form], elapsed)
         speedup = seconds["torch"] / max(seconds["c"], 1e-9)
         if speedup >= 1.0:
