@@ -12,9 +12,10 @@ buffers included, as fedddp flattens them), it prints one Markdown row:
   form         the form the runtime uses for the rule on this machine: "c" (fused C kernel) or
                "torch" (torch ops), as chosen by the probe of fedddp.strategies.kernels
   ms/call      best time of one aggregate call over a few repetitions after a warm-up (inputs
-               already on the device), in that form. On one CPU thread the clock is the process's CPU time (user + sys, so
-               page faults of fresh outputs count) rather than wall time: on a machine shared
-               with other jobs wall time mostly measures the other jobs.
+               already on the device), in that form. On one CPU thread the clock is the
+               process's CPU time (user + sys, so page faults of fresh outputs count) rather
+               than wall time: on a machine shared with other jobs wall time mostly measures
+               the other jobs.
   GB/s         bytes of the [K, P] stacks the rule reads (K P 4 per stack: 2 stacks for FedGMA
                with the last-step gradient and for CGW) divided by ms/call
   ratio        GB/s / copy bandwidth, where copy bandwidth = (read + write bytes) / time of one

@@ -191,7 +191,8 @@ def test_the_probe_picks_the_faster_form_and_caches_it(slow_form, fresh_choice, 
 
 
 @needs_compiler
-def test_rules_whose_neutral_setting_is_fedavg_follow_fedavg_to_torch_ops(fresh_choice, monkeypatch):
+def test_rules_whose_neutral_setting_is_fedavg_follow_fedavg_to_torch_ops(fresh_choice,
+                                                                          monkeypatch):
     """Where FedAvg's kernel loses, FedMom, FedGMA and CGW keep their torch-op form whatever
     their own probe says, so that momentum 0 (and the other neutral settings) still give
     FedAvg's vector bit for bit in auto mode."""

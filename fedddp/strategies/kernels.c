@@ -153,8 +153,8 @@ static inline vi lane_index(void) { vi v; for (int i = 0; i < LANES; i++) v[i] =
  * follows a few dozen streams, gives up at large K and every row waits on memory (K = 100:
  * under half the speed of K = 32). So while a block of BLOCK_CHUNKS chunks (256 columns) is
  * summed, each row visit prefetches LANES floats of the next block, row after row (DRAM-page
- * order, into L2): K * BLOCK_CHUNKS visits cover the next block exactly. Prefetching past the end of an array
- * is harmless (a prefetch never faults). */
+ * order, into L2): K * BLOCK_CHUNKS visits cover the next block exactly. Prefetching past the
+ * end of an array is harmless (a prefetch never faults). */
 #define BLOCK_CHUNKS (256 / LANES)
 typedef struct { const float *base; int64_t ld, K, next, row, chunk; } ahead_t;
 
@@ -221,11 +221,15 @@ typedef float vh __attribute__((vector_size(2 * LANES)));           /* LANES / 2
 #define HALF (LANES / 2)
 #define NQ (PARTS / HALF)                                           /* vectors per 16 columns */
 
-static inline vd load_wide(const float *p) { vh h; memcpy(&h, p, sizeof h); return __builtin_convertvector(h, vd); }
+static inline vd load_wide(const float *p) {                       /* LANES / 2 floats, widened */
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vd);
+}
 static inline vd load_d(const double *p) { vd v; memcpy(&v, p, sizeof v); return v; }
 static inline void store_d(double *p, vd v) { memcpy(p, &v, sizeof v); }
 
-#define STATS_COLS 2048        /* the K rows of a block (K * 8 KiB) stay in L2 for the second pass */
+#define STATS_COLS 2048       /* the K rows of a block (K * 8 KiB) stay in L2 for the 2nd pass */
 
 int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_norm, double *m) {
     colsum_t *sq = calloc(K, sizeof *sq), *dot = calloc(K, sizeof *dot);
@@ -237,7 +241,7 @@ int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_no
         const float *block = D + col;
         for (int64_t j = 0; j < width; j++) total[j] = 0.0;
         int64_t k = 0;
-        for (; k + 4 <= K; k += 4) {                                /* the total touched once per 4 rows */
+        for (; k + 4 <= K; k += 4) {                   /* the total touched once per 4 rows */
             const float *r0 = block + k * ld, *r1 = r0 + ld, *r2 = r1 + ld, *r3 = r2 + ld;
             for (int64_t j = 0; j < full; j += HALF)
                 store_d(total + j, (((load_d(total + j) + load_wide(r0 + j)) + load_wide(r1 + j))
@@ -247,20 +251,27 @@ int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_no
         }
         for (; k < K; k++) {
             const float *r = block + k * ld;
-            for (int64_t j = 0; j < full; j += HALF) store_d(total + j, load_d(total + j) + load_wide(r + j));
+            for (int64_t j = 0; j < full; j += HALF)
+                store_d(total + j, load_d(total + j) + load_wide(r + j));
             for (int64_t j = full; j < width; j++) total[j] += r[j];
         }
         for (int64_t k = 0; k < K; k++) {
             const float *r = block + k * ld;
             vd sq_v[NQ], dot_v[NQ];
-            for (int q = 0; q < NQ; q++) { sq_v[q] = load_d(sq[k].part + q * HALF); dot_v[q] = load_d(dot[k].part + q * HALF); }
+            for (int q = 0; q < NQ; q++) {
+                sq_v[q] = load_d(sq[k].part + q * HALF);
+                dot_v[q] = load_d(dot[k].part + q * HALF);
+            }
             for (int64_t j0 = 0; j0 < full; j0 += PARTS)
                 for (int q = 0; q < NQ; q++) {
                     vd d = load_wide(r + j0 + q * HALF);
                     sq_v[q] += d * d;
                     dot_v[q] += d * load_d(total + j0 + q * HALF);
                 }
-            for (int q = 0; q < NQ; q++) { store_d(sq[k].part + q * HALF, sq_v[q]); store_d(dot[k].part + q * HALF, dot_v[q]); }
+            for (int q = 0; q < NQ; q++) {
+                store_d(sq[k].part + q * HALF, sq_v[q]);
+                store_d(dot[k].part + q * HALF, dot_v[q]);
+            }
             for (int64_t j = full; j < width; j++) {                /* the tail: partial j - full */
                 double d = r[j];
                 sq[k].part[j - full] += d * d;

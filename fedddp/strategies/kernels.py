@@ -13,8 +13,9 @@ Which form is faster depends on the CPU (vector width, memory system) and on tor
 each rule's form is measured, not assumed: on first use a probe times both forms of every rule
 on a [16, 300007] stack (a fraction of a second in all) and keeps the faster (the kernel unless
 the torch ops win by more than 25%, see TORCH_MARGIN); the choice is cached beside the built
-library (same CPU hash) with the torch version it was measured against. FedMom, FedGMA and CGW take their kernel only where FedAvg does, so that
-their neutral settings keep giving FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c`` or
+library (same CPU hash) with the torch version it was measured against. FedMom, FedGMA and
+CGW take their kernel only where FedAvg does, so that their neutral settings keep giving
+FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c`` or
 ``=torch`` forces one form for every rule (the tests compare the two).
 
 ``lib(*tensors, rule=...)`` returns the library when the rule's chosen form is the kernel and
@@ -209,8 +210,8 @@ def _probe_inputs():
 
 def probe(rules=RULES, repeats: int = 3) -> dict[str, tuple[str, str]]:
     """Times both forms of each rule, alternating them (best of at least `repeats` calls each,
-    after a warm-up), and returns rule -> (chosen form, why). On one thread the clock is the process's
-    CPU time, which leaves out the time other jobs on a shared machine take."""
+    after a warm-up), and returns rule -> (chosen form, why). On one thread the clock is the
+    process's CPU time, which leaves out the time other jobs on a shared machine take."""
     global _probing
     from fedddp import strategies
 
@@ -240,8 +241,9 @@ def probe(rules=RULES, repeats: int = 3) -> dict[str, tuple[str, str]]:
         if speedup >= 1.0:
             forms[rule] = ("c", f"probe: {speedup:.1f}x the torch-op form's speed")
         elif speedup * TORCH_MARGIN >= 1.0:
-            forms[rule] = ("c", f"probe: {speedup:.2f}x the torch-op form's speed, a tie within "
-                                f"{TORCH_MARGIN - 1:.0%}: the kernel's bits do not depend on the CPU")
+            forms[rule] = ("c", f"probe: {speedup:.2f}x the torch-op form's speed, a tie "
+                                f"within {TORCH_MARGIN - 1:.0%}: the kernel's bits do not "
+                                "depend on the CPU")
         else:
             forms[rule] = ("torch", f"probe: {1 / speedup:.1f}x the C kernel's speed")
     if "fedavg" in forms and forms["fedavg"][0] == "torch":
@@ -270,7 +272,8 @@ def forms() -> dict[str, tuple[str, str]]:
         with open(path) as fh:
             cached = json.load(fh)
         if cached.get("torch") == torch.__version__ and set(cached["forms"]) == set(RULES):
-            _forms = {rule: (form, why + ", cached") for rule, (form, why) in cached["forms"].items()}
+            _forms = {rule: (form, why + ", cached")
+                      for rule, (form, why) in cached["forms"].items()}
             return _forms
     except (OSError, ValueError, KeyError, TypeError):
         pass
