@@ -22,8 +22,8 @@ from fedddp.strategies import fedcong as fedcong_module
 from fedddp.strategies import fedgma as fedgma_module
 
 NUM_LAYERS = 4
-# (K, P): the C kernels work in chunks of 16 columns and blocks of 256; 13 and 50 leave a tail
-# chunk, 600 spans three blocks
+# (K, P): the register-chunk C kernels work in chunks of 4-16 columns (the vector width) and
+# prefetch blocks of 256; 13 and 50 leave a tail chunk, 600 spans three blocks
 SIZES = [(1, 50), (3, 50), (8, 50), (8, 13), (5, 600)]
 SEEDS = [0, 1, 2]
 

@@ -98,11 +98,10 @@ def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Ten
     """sum_k w_k rows_k in one pass over [K, P]: the fused CPU kernel (whose client-order sums
     every other kernel repeats, so a rule's neutral setting gives these bits), else one
     matrix-vector product."""
-    lib = kernels.lib(rows_KP)
+    lib = kernels.lib(rows_KP, rule="fedavg")
     if lib is None:
         return weights_K.to(rows_KP.dtype) @ rows_KP
-    bounds_R1 = torch.tensor([0, rows_KP.shape[1]])
-    return kernels.mix(lib, rows_KP, weights_K[None], bounds_R1)
+    return kernels.mean(lib, rows_KP, weights_K)
 
 
 def column_block(num_rows: int, device: torch.device) -> int:

@@ -2,19 +2,27 @@
 
 Client k reports D_k, the full-batch gradient of its mean loss at its trained model, and L_k,
 that loss. With D = sum_j D_j (j = k included: eq. 6, m_i = D_i . D) and alpha = hp.cgw_alpha:
-  m_k = D_k . D                       (m = G 1 for the Gram matrix G = D D^T, one matmul)
-  c   = min_k alpha L_k / ||D_k||     (eq. 13; ||D_k||^2 = diag G)
+  m_k = D_k . D
+  c   = min_k alpha L_k / ||D_k||     (eq. 13)
   x_k = c / sqrt(sum_j (m_j / ||D_j||)^2) * m_k / ||D_k||^2     (eq. 29)
   w   = sum_k p_k w_k - sum_k x_k D_k                              (eq. 8)
 so that sum_k (x_k ||D_k||)^2 = c^2 (eq. 24) and sign(x_k) = sign(m_k) (negative weights are
 intended: they take back part of a dissenting client's contribution).
 
+Precision. Near a stationary point on non-IID data the clients' gradients nearly cancel
+(||D|| << ||D_k||), and m_k must come from D itself, summed in float64: a float32 Gram matrix
+(m = G 1) or a float32 D loses every digit of m at ||D|| / ||D_k|| ~ 1e-3 and below. So D, the
+norms and the dot products are float64 sums of the float32 reports (one fused pass on CPU, a
+float64 block at a time elsewhere), and c and x are float64. A client is left out only when
+||D_k|| is exactly 0; a tiny but nonzero D_k gets a huge x_k, whose product with D_k is still
+bounded by c, so rows whose x_k float32 cannot hold at full precision are applied in float64.
+
 A client with ||D_k|| = 0 has no direction to weigh (eq. 29 divides by it): it gets x_k = 0 and
 is left out of c and of the sums (it adds nothing to D either); the count is a diagnostic. If
 every client is zero, or the m_k all vanish, the correction is zero: never NaN. alpha = 0
 gives x = 0 exactly, so the result is FedAvg's vector bit for bit.
-The K x K algebra runs in float64 (it is tiny); the two passes over D (Gram, then the average
-and the correction together, fused on CPU) stay float32. Legend: K sampled clients, P flat parameters.
+Diagnostics (float64): cgw_x, cgw_c, cgw_zero_grad_clients.
+Legend: K sampled clients, P flat parameters, B columns in a block, S scaled rows.
 """
 
 from __future__ import annotations
@@ -23,13 +31,9 @@ import torch
 
 from . import Strategy, client_weights_K, column_block, kernels, register, weighted_mean_P
 
-
-# Up to this many clients the Gram matrix G = D D^T (one matmul, K^2 P multiply-adds) gives
-# the norms and m = G 1; above it, m = D (sum_k D_k) and the row norms are formed directly
-# (3 K P multiply-adds over column blocks, D read from memory once): the Gram matmul turns
-# compute-bound as K grows (1 CPU thread, ResNet-18 size: equal at K = 32, 2.6x slower at
-# K = 100).
-GRAM_MAX_CLIENTS = 16
+# x_k outside [2^-100, 2^100] (a gradient norm far from 1) is applied in float64: float32 would
+# overflow, or lose digits to subnormals, in x_k although x_k D_k itself is bounded by c.
+FLOAT32_SAFE_X = 2.0 ** 100
 
 
 def corrective_weights_K(sq_norm_K: torch.Tensor, m_K: torch.Tensor, loss_K: torch.Tensor,
@@ -42,35 +46,32 @@ def corrective_weights_K(sq_norm_K: torch.Tensor, m_K: torch.Tensor, loss_K: tor
     bound_K = torch.where(live_K, alpha * loss_K.double() / norm_K, torch.inf)
     c = bound_K.min()
     c = torch.where(torch.isfinite(c), c, 0.0)
-    spread = torch.linalg.vector_norm(m_K / norm_K)                 # sqrt(sum_j (m_j/||D_j||)^2)
+    agreement_K = m_K / norm_K
+    # sqrt(sum_j (m_j/||D_j||)^2), scaled by its largest term first so that no square overflows
+    largest = agreement_K.abs().max()
+    unit = torch.where(largest > 0, largest, 1.0)
+    spread = unit * torch.linalg.vector_norm(agreement_K / unit)
     ok = spread > 0
     scale = torch.where(ok, c / torch.where(ok, spread, 1.0), 0.0)
-    x_K = torch.where(live_K, scale * m_K / (norm_K * norm_K), 0.0)
+    # x_k = scale * (m_k/||D_k||) / ||D_k||: no intermediate larger than x_k itself
+    x_K = torch.where(live_K, scale * agreement_K / norm_K, 0.0)
     return x_K, c, (~live_K).sum()
 
 
 def norms_and_agreement_K(grads_KP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(||D_k||^2, m_k = D_k . sum_j D_j) for every client, float32 sums per block of columns
-    added up in float64."""
+    """(||D_k||^2, m_k = D_k . D) for every client in float64, D = sum_k D_k summed in float64."""
+    lib = kernels.lib(grads_KP, rule="cgw")
+    if lib is not None:
+        return kernels.cgw_stats(lib, grads_KP)
     num_clients, num_params = grads_KP.shape
-    if num_clients <= GRAM_MAX_CLIENTS:
-        gram_KK = grads_KP @ grads_KP.T
-        return gram_KK.diagonal(), gram_KK.sum(1)
-    step = column_block(num_clients, grads_KP.device)
-    ones_1K = torch.ones(1, num_clients, dtype=grads_KP.dtype, device=grads_KP.device)
-    num_blocks = -(-num_params // step)
-    # per block: row 0 the norms ||D_kB||, row 1 the dot products D_kB . D_B (summed at the end)
-    parts_N2K = torch.empty(num_blocks, 2, num_clients, dtype=grads_KP.dtype,
-                            device=grads_KP.device)
-    sum_1B = torch.empty(1, min(step, num_params), dtype=grads_KP.dtype, device=grads_KP.device)
-    for block, start in enumerate(range(0, num_params, step)):
-        grads_KB = grads_KP[:, start:start + step]
-        width = grads_KB.shape[1]
-        total_1B = torch.mm(ones_1K, grads_KB, out=sum_1B[:, :width])    # D_B = sum_k D_kB
-        torch.mv(grads_KB, total_1B[0], out=parts_N2K[block, 1])
-        torch.linalg.vector_norm(grads_KB, dim=1, out=parts_N2K[block, 0])
-    parts_N2K = parts_N2K.double()
-    return parts_N2K[:, 0].square().sum(0), parts_N2K[:, 1].sum(0)
+    step = column_block(2 * num_clients, grads_KP.device)     # float64: twice the bytes
+    sq_norm_K = torch.zeros(num_clients, dtype=torch.float64, device=grads_KP.device)
+    m_K = torch.zeros_like(sq_norm_K)
+    for start in range(0, num_params, step):
+        grads_KB = grads_KP[:, start:start + step].double()
+        m_K.addmv_(grads_KB, grads_KB.sum(0))
+        sq_norm_K.add_(grads_KB.square_().sum(1))
+    return sq_norm_K, m_K
 
 
 def aggregate(global_P, stacks, state, hp):
@@ -79,16 +80,21 @@ def aggregate(global_P, stacks, state, hp):
     sq_norm_K, m_K = norms_and_agreement_K(grads_KP)
     x_K, c, num_zero = corrective_weights_K(sq_norm_K, m_K, stacks["full_loss_K"],
                                             float(hp.cgw_alpha))
-    x_K = x_K.to(params_KP.dtype)
-    lib = kernels.lib(params_KP, grads_KP)
+    size_K = x_K.abs()
+    scaled_K = (size_K > FLOAT32_SAFE_X) | ((size_K < 1.0 / FLOAT32_SAFE_X) & (size_K > 0))
+    x32_K = torch.where(scaled_K, 0.0, x_K).to(params_KP.dtype)
+    lib = kernels.lib(params_KP, grads_KP, rule="cgw")
     if lib is not None:   # the average and the correction in one pass over W and D
-        new_global_P = kernels.cgw(lib, params_KP, grads_KP, weights_K, x_K)
+        new_global_P = kernels.cgw(lib, params_KP, grads_KP, weights_K, x32_K)
     else:
         # - sum_k x_k D_k, added into the average in place (no second [P] output): x = 0 adds
         # exact zeros, so alpha = 0 still returns FedAvg's vector bit for bit
-        new_global_P = weighted_mean_P(weights_K, params_KP).addmv_(grads_KP.T, x_K, alpha=-1.0)
-    diagnostics = {"cgw_x": x_K, "cgw_c": c.to(params_KP.dtype),
-                   "cgw_zero_grad_clients": num_zero.to(params_KP.dtype)}
+        new_global_P = weighted_mean_P(weights_K, params_KP).addmv_(grads_KP.T, x32_K, alpha=-1.0)
+    if scaled_K.any():    # rare: a gradient norm far from 1 (one host sync, only then)
+        rows_S = scaled_K.nonzero()[:, 0]
+        correction_P = grads_KP[rows_S].double().T @ x_K[rows_S].to(grads_KP.device)
+        new_global_P = new_global_P.double().sub_(correction_P).to(params_KP.dtype)
+    diagnostics = {"cgw_x": x_K, "cgw_c": c, "cgw_zero_grad_clients": num_zero.double()}
     return new_global_P, state, diagnostics
 
 

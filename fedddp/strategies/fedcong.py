@@ -45,7 +45,7 @@ def aggregate(global_P, stacks, state, hp):
     dtype, device = params_KP.dtype, params_KP.device
     weights_K = client_weights_K(stacks, hp)
     need = max(1, min_agreeing(hp.cong_alpha, num_clients))  # >= 1: an empty group never qualifies
-    lib = kernels.lib(params_KP, global_P)
+    lib = kernels.lib(params_KP, global_P, rule="fedcong")
     if lib is not None:
         new_global_P, took_pos, took_neg = kernels.fedcong(lib, params_KP, weights_K, global_P, need)
         took_2 = torch.tensor([took_pos, took_neg], dtype=torch.float64) / num_params

@@ -40,7 +40,7 @@ def aggregate(global_P, stacks, state, hp):
     table_KG = torch.cat([uniform_K1, alpha_KL.to(params_KP.device)], dim=1)  # G = L + 1
     runs_R3 = stacks["conv_runs_R3"]
     weights_RK = table_KG[:, runs_R3[:, 2].to(table_KG.device) + 1].T
-    lib = kernels.lib(params_KP)
+    lib = kernels.lib(params_KP, rule="feder")
     if lib is not None:
         bounds_R1 = torch.cat([runs_R3[:, 0], runs_R3[-1:, 1]]).cpu()
         return kernels.mix(lib, params_KP, weights_RK, bounds_R1), state, {"feder_alpha": alpha_KL}

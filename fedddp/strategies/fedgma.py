@@ -38,7 +38,7 @@ def aggregate(global_P, stacks, state, hp):
     soft = hp.gma_mask == "soft"
     need = min_agreeing(hp.gma_threshold, num_clients)
     grads_KP = None if use_delta else stacks["last_grad_KP"]
-    lib = kernels.lib(params_KP, global_P, *([] if use_delta else [grads_KP]))
+    lib = kernels.lib(params_KP, global_P, *([] if use_delta else [grads_KP]), rule="fedgma")
     if lib is not None:
         new_global_P, mask_sum = kernels.fedgma(lib, params_KP, grads_KP, weights_K, global_P, need,
                                                 soft, float(hp.server_lr))

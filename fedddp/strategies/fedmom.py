@@ -29,7 +29,7 @@ def aggregate(global_P, stacks, state, hp):
     momentum = float(hp.server_momentum)
     params_KP, previous_P = stacks["params_KP"], state["previous_P"]
     weights_K = client_weights_K(stacks, hp)
-    lib = kernels.lib(params_KP, global_P, previous_P)
+    lib = kernels.lib(params_KP, global_P, previous_P, rule="fedmom")
     if lib is not None:
         new_global_P, sq_norm = kernels.fedmom(lib, params_KP, weights_K, global_P, previous_P,
                                                momentum)

@@ -1,17 +1,28 @@
 /* Fused CPU kernels of the server rules: one pass over the stacked [K, P] float32 reports.
  *
- * Each kernel walks the columns in chunks of 16 and, inside a chunk, the K client rows, keeping
- * every per-column sum in vector registers: the reports are read from memory once and no
- * [K, P] or [P] temporary is written. Columns are independent and each column's sums run over
- * k = 0 .. K-1 in order, with separate multiply and add (built with -ffp-contract=off, no
- * -ffast-math), so results are bit-for-bit the same on any x86-64 or ARM machine whatever
- * vector width the compiler picks. Every kernel forms the p-weighted mean of the params as
- * ``acc = 0; acc = acc + p_k * w_kj`` so that rules whose neutral setting is FedAvg return
- * fd_mix's bits exactly.
+ * Two shapes of loop, each the faster one for its kernels (bench/aggregate.py, BENCHMARKS.md):
+ * - Row streaming (fd_mix, fd_fedmom, fd_cgw, fd_cgw_stats: sums only). A block of columns is
+ *   summed into an accumulator that stays in cache, four client rows per pass, so
+ *   every row is read as one long contiguous stretch (the hardware prefetcher follows it) and
+ *   the accumulator is loaded and stored once per four rows. Plain C loops that the compiler
+ *   vectorises for whatever the CPU has (SSE2, AVX2, AVX-512, NEON).
+ * - Register chunks (fd_fedgma, fd_fedcong: sign counts, masks, several sums per column). The
+ *   columns are walked in chunks of LANES (one vector register: 16 on AVX-512, 8 on AVX/AVX2,
+ *   4 otherwise) and, inside a chunk, the K rows, with every per-column count and sum in
+ *   registers. A vector wider than the machine's registers is split by the compiler and its
+ *   accumulators spill to the stack on every row (16 lanes on AVX2 ran 3-10x slower), hence
+ *   the lane count per instruction set.
+ * Columns are independent and each column's sums run over k = 0 .. K-1 in order, with
+ * separate multiply and add (built with -ffp-contract=off, no -ffast-math), so results are
+ * bit-for-bit the same on any x86-64 or ARM machine whatever the vector width or loop shape.
+ * Every kernel forms the p-weighted mean of the params as ``acc = 0; acc = acc + p_k * w_kj``
+ * so that rules whose neutral setting is FedAvg return fd_mix's bits exactly. Sums over
+ * columns (FedMom's norm, FedGMA's mask density) go into 16 double partial sums by column
+ * mod 16, added in order at the end: the same bits for every lane count.
  *
  * Layout: row k of a [K, P] stack starts at base + k * ld (ld >= P, in floats). The last
- * chunk of a range (fewer than 16 columns) is copied into a zero-padded [K, 16] scratch and
- * runs through the same vector code; only its valid lanes are written back.
+ * chunk of a range (fewer than LANES columns) is copied into a zero-padded [K, LANES] scratch
+ * and runs through the same vector code; only its valid lanes are written back.
  * Legend: K clients, P columns, R runs of columns sharing one weight vector.
  */
 
@@ -19,7 +30,113 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A sum over columns in double whose bits do not depend on LANES or the loop shape: column j
+ * adds into partial sum j mod 16, and the 16 partial sums are added in order at the end. */
+#define PARTS 16
+typedef struct { double part[PARTS]; } colsum_t;
+
+static void colsum_add_row(colsum_t *s, const float *v, int64_t width) {  /* from col % 16 == 0 */
+    double part[PARTS];
+    memcpy(part, s->part, sizeof part);
+    int64_t j0 = 0;
+    for (; j0 + PARTS <= width; j0 += PARTS)
+        for (int i = 0; i < PARTS; i++) part[i] += v[j0 + i];
+    for (int i = 0; j0 + i < width; i++) part[i] += v[j0 + i];
+    memcpy(s->part, part, sizeof part);
+}
+
+static double colsum_total(const colsum_t *s) {
+    double total = 0.0;
+    for (int j = 0; j < PARTS; j++) total += s->part[j];
+    return total;
+}
+
+/* -- row streaming ------------------------------------------------------------------------ */
+
+/* Columns per block: 8192 floats = 32 KiB of accumulator (L1 or L2). Longer stretches of each
+ * row stream better than short ones (2048 columns ran measurably slower at K = 8-16 on the
+ * AVX2 machine); a multiple of PARTS. */
+#define BLOCK_COLS 8192
+
+/* acc[j] = sum_k p_k rows[k * ld + j] for j < width, k in order: four rows per pass over acc. */
+static void weighted_rows(const float *rows, int64_t K, int64_t ld, const float *p, int64_t width,
+                          float *restrict acc) {
+    for (int64_t j = 0; j < width; j++) acc[j] = 0.0f;
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const float *restrict r0 = rows + k * ld, *restrict r1 = r0 + ld;
+        const float *restrict r2 = r1 + ld, *restrict r3 = r2 + ld;
+        float p0 = p[k], p1 = p[k + 1], p2 = p[k + 2], p3 = p[k + 3];
+        for (int64_t j = 0; j < width; j++)
+            acc[j] = (((acc[j] + p0 * r0[j]) + p1 * r1[j]) + p2 * r2[j]) + p3 * r3[j];
+    }
+    for (; k < K; k++) {
+        const float *restrict r = rows + k * ld;
+        float pk = p[k];
+        for (int64_t j = 0; j < width; j++) acc[j] = acc[j] + pk * r[j];
+    }
+}
+
+/* out_j = sum_k weights[r, k] w_kj for the columns [bounds[r], bounds[r + 1]) of each run r.
+ * FedAvg is one run; FedER one run per stretch of columns following the same conv layer. */
+int fd_mix(const float *W, int64_t K, int64_t ld, const float *weights_RK, const int64_t *bounds,
+           int64_t R, float *out) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t col = bounds[r]; col < bounds[r + 1]; col += BLOCK_COLS) {
+            int64_t width = bounds[r + 1] - col < BLOCK_COLS ? bounds[r + 1] - col : BLOCK_COLS;
+            weighted_rows(W + col, K, ld, weights_RK + r * K, width, out + col);
+        }
+    return 0;
+}
+
+/* FedMom in the form w_new = mean + m (w - w_prev), where w - w_prev is the velocity of the
+ * last round; sq_norm = sum_j (w_new_j - w_j)^2, the squared norm of the new velocity. */
+int fd_fedmom(const float *W, int64_t K, int64_t ld, int64_t P, const float *p, const float *g,
+              const float *g_prev, float momentum, float *out, double *sq_norm) {
+    colsum_t total = {{0}};
+    float sq[BLOCK_COLS];
+    for (int64_t col = 0; col < P; col += BLOCK_COLS) {
+        int64_t width = P - col < BLOCK_COLS ? P - col : BLOCK_COLS;
+        float *restrict w_new = out + col;
+        const float *restrict gv = g + col, *restrict gp = g_prev + col;
+        weighted_rows(W + col, K, ld, p, width, w_new);
+        for (int64_t j = 0; j < width; j++) {
+            w_new[j] = w_new[j] + momentum * (gv[j] - gp[j]);
+            float v = w_new[j] - gv[j];
+            sq[j] = v * v;
+        }
+        colsum_add_row(&total, sq, width);
+    }
+    *sq_norm = colsum_total(&total);
+    return 0;
+}
+
+/* CGW's last step: out_j = sum_k p_k w_kj - sum_k x_k d_kj. With x = 0 the correction sums to
+ * +0 and out is the mean's bits. */
+int fd_cgw(const float *W, const float *D, int64_t K, int64_t ldw, int64_t ldd, int64_t P,
+           const float *p, const float *x, float *out) {
+    float correction[BLOCK_COLS];
+    for (int64_t col = 0; col < P; col += BLOCK_COLS) {
+        int64_t width = P - col < BLOCK_COLS ? P - col : BLOCK_COLS;
+        float *restrict mean = out + col;
+        weighted_rows(W + col, K, ldw, p, width, mean);
+        weighted_rows(D + col, K, ldd, x, width, correction);
+        for (int64_t j = 0; j < width; j++) mean[j] = mean[j] - correction[j];
+    }
+    return 0;
+}
+
+/* -- register chunks ---------------------------------------------------------------------- */
+
+#ifndef LANES
+#if defined(__AVX512F__)
 #define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#endif
 typedef float vf __attribute__((vector_size(4 * LANES)));
 typedef int32_t vi __attribute__((vector_size(4 * LANES)));
 
@@ -29,15 +146,16 @@ static inline vf splat(float x) { return (vf){0} + x; }
 static inline vf keep(vf x, vi mask) { return (vf)((vi)x & mask); }         /* x where mask */
 static inline vf pick(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 static inline vf to_float(vi x) { return __builtin_convertvector(x, vf); }
-static const vi LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static inline vi lane_index(void) { vi v; for (int i = 0; i < LANES; i++) v[i] = i; return v; }
+#define LANE lane_index()
 
 /* Prefetching. With K rows read one 64-byte line at a time the hardware prefetcher, which
  * follows a few dozen streams, gives up at large K and every row waits on memory (K = 100:
- * under half the speed of K = 32). So while a block of BLOCK_CHUNKS chunks is summed, each
- * row visit prefetches one line of the next block, row after row (DRAM-page order, into L2):
- * K * BLOCK_CHUNKS visits cover the next block exactly. Prefetching past the end of an array
- * is harmless (a prefetch never faults). */
-#define BLOCK_CHUNKS 16
+ * under half the speed of K = 32). So while a block of BLOCK_CHUNKS chunks (256 columns) is
+ * summed, each row visit prefetches LANES floats of the next block, row after row (DRAM-page
+ * order, into L2): K * BLOCK_CHUNKS visits cover the next block exactly. Prefetching past the
+ * end of an array is harmless (a prefetch never faults). */
+#define BLOCK_CHUNKS (256 / LANES)
 typedef struct { const float *base; int64_t ld, K, next, row, chunk; } ahead_t;
 
 static inline void ahead_start(ahead_t *a, const float *base, int64_t ld, int64_t K, int64_t next) {
@@ -49,7 +167,7 @@ static inline void ahead_step(ahead_t *a) {
     if (++a->chunk == BLOCK_CHUNKS) { a->chunk = 0; if (++a->row == a->K) a->row = 0; }
 }
 
-/* A chunk of 16 columns: either in place or in the padded scratch (the tail of a range). */
+/* A chunk of LANES columns: either in place or in the padded scratch (the tail of a range). */
 typedef struct {
     const float *rows;  /* row 0 of the chunk; row k at rows + k * ld */
     int64_t ld;
@@ -77,11 +195,13 @@ static void store_vec(float *out, int64_t col, int64_t width, vf v) {
     memcpy(out + col, tmp, sizeof(float) * width);
 }
 
-static double sum_lanes(vf v) {
-    double s = 0.0;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
+static inline void colsum_add(colsum_t *s, int64_t col, vf v) {   /* col % LANES == 0 */
+    double *dst = s->part + col % PARTS;
+    for (int i = 0; i < LANES; i++) dst[i] += v[i];
 }
+
+/* The lane count of this build, for the benchmark's log. */
+int fd_lanes(void) { return LANES; }
 
 /* The block of chunks that follows the one holding `col` (first of the range: `start`). */
 static inline int64_t next_block(int64_t start, int64_t col) {
@@ -89,78 +209,81 @@ static inline int64_t next_block(int64_t start, int64_t col) {
 }
 #define NEW_BLOCK(start, col) (((col) - (start)) % (LANES * BLOCK_CHUNKS) == 0)
 
-static inline vf weighted_sum(chunk_t c, int64_t K, const float *p, ahead_t *a) {
-    vf acc = {0};
+/* CGW's statistics, in double: sq_norm[k] = ||D_k||^2 and m[k] = D_k . D, where D = sum_k D_k
+ * is eq. 29's summed gradient. D is summed first, in double: near a stationary point the
+ * clients' gradients nearly cancel (||D|| << ||D_k||) and any float32 route to m (a float32
+ * Gram matrix, or a float32 D) loses its digits; products in double neither underflow for a
+ * tiny but nonzero D_k nor overflow. Both sums over j run in 16 partial sums by j mod 16 (held
+ * as vectors of LANES / 2 doubles), so the bits do not depend on the vector width. A block of
+ * the K rows is read from memory by the first pass and from cache by the second. */
+typedef double vd __attribute__((vector_size(4 * LANES)));          /* LANES / 2 doubles */
+typedef float vh __attribute__((vector_size(2 * LANES)));           /* LANES / 2 floats */
+#define HALF (LANES / 2)
+#define NQ (PARTS / HALF)                                           /* vectors per 16 columns */
+
+static inline vd load_wide(const float *p) {                       /* LANES / 2 floats, widened */
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, vd);
+}
+static inline vd load_d(const double *p) { vd v; memcpy(&v, p, sizeof v); return v; }
+static inline void store_d(double *p, vd v) { memcpy(p, &v, sizeof v); }
+
+#define STATS_COLS 2048       /* the K rows of a block (K * 8 KiB) stay in L2 for the 2nd pass */
+
+int fd_cgw_stats(const float *D, int64_t K, int64_t ld, int64_t P, double *sq_norm, double *m) {
+    colsum_t *sq = calloc(K, sizeof *sq), *dot = calloc(K, sizeof *dot);
+    double *total = malloc(sizeof(double) * STATS_COLS);
+    if (!sq || !dot || !total) { free(sq); free(dot); free(total); return 1; }
+    for (int64_t col = 0; col < P; col += STATS_COLS) {
+        int64_t width = P - col < STATS_COLS ? P - col : STATS_COLS;
+        int64_t full = width - width % PARTS;                       /* columns in whole vectors */
+        const float *block = D + col;
+        for (int64_t j = 0; j < width; j++) total[j] = 0.0;
+        int64_t k = 0;
+        for (; k + 4 <= K; k += 4) {                   /* the total touched once per 4 rows */
+            const float *r0 = block + k * ld, *r1 = r0 + ld, *r2 = r1 + ld, *r3 = r2 + ld;
+            for (int64_t j = 0; j < full; j += HALF)
+                store_d(total + j, (((load_d(total + j) + load_wide(r0 + j)) + load_wide(r1 + j))
+                                   + load_wide(r2 + j)) + load_wide(r3 + j));
+            for (int64_t j = full; j < width; j++)
+                total[j] = (((total[j] + r0[j]) + r1[j]) + r2[j]) + r3[j];
+        }
+        for (; k < K; k++) {
+            const float *r = block + k * ld;
+            for (int64_t j = 0; j < full; j += HALF)
+                store_d(total + j, load_d(total + j) + load_wide(r + j));
+            for (int64_t j = full; j < width; j++) total[j] += r[j];
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const float *r = block + k * ld;
+            vd sq_v[NQ], dot_v[NQ];
+            for (int q = 0; q < NQ; q++) {
+                sq_v[q] = load_d(sq[k].part + q * HALF);
+                dot_v[q] = load_d(dot[k].part + q * HALF);
+            }
+            for (int64_t j0 = 0; j0 < full; j0 += PARTS)
+                for (int q = 0; q < NQ; q++) {
+                    vd d = load_wide(r + j0 + q * HALF);
+                    sq_v[q] += d * d;
+                    dot_v[q] += d * load_d(total + j0 + q * HALF);
+                }
+            for (int q = 0; q < NQ; q++) {
+                store_d(sq[k].part + q * HALF, sq_v[q]);
+                store_d(dot[k].part + q * HALF, dot_v[q]);
+            }
+            for (int64_t j = full; j < width; j++) {                /* the tail: partial j - full */
+                double d = r[j];
+                sq[k].part[j - full] += d * d;
+                dot[k].part[j - full] += d * total[j];
+            }
+        }
+    }
     for (int64_t k = 0; k < K; k++) {
-        ahead_step(a);
-        acc = acc + splat(p[k]) * load(c.rows + k * c.ld);
+        sq_norm[k] = colsum_total(&sq[k]);
+        m[k] = colsum_total(&dot[k]);
     }
-    return acc;
-}
-
-/* out_j = sum_k weights[r, k] w_kj for the columns [bounds[r], bounds[r + 1]) of each run r.
- * FedAvg is one run; FedER one run per stretch of columns following the same conv layer. */
-int fd_mix(const float *W, int64_t K, int64_t ld, const float *weights_RK, const int64_t *bounds,
-           int64_t R, float *out) {
-    float *pad = malloc(sizeof(float) * LANES * K);
-    if (!pad) return 1;
-    ahead_t a = {0};
-    for (int64_t r = 0; r < R; r++) {
-        const float *p = weights_RK + r * K;
-        int64_t start = bounds[r], stop = bounds[r + 1];
-        for (int64_t col = start; col < stop; col += LANES) {
-            int64_t width = stop - col < LANES ? stop - col : LANES;
-            if (NEW_BLOCK(start, col)) ahead_start(&a, W, ld, K, next_block(start, col));
-            chunk_t c = chunk_at(W, ld, K, col, width, pad);
-            store_vec(out, col, width, weighted_sum(c, K, p, &a));
-        }
-    }
-    free(pad);
-    return 0;
-}
-
-/* FedMom in the form w_new = mean + m (w - w_prev), where w - w_prev is the velocity of the
- * last round; sq_norm = sum_j (w_new_j - w_j)^2, the squared norm of the new velocity. */
-int fd_fedmom(const float *W, int64_t K, int64_t ld, int64_t P, const float *p, const float *g,
-              const float *g_prev, float momentum, float *out, double *sq_norm) {
-    float *pad = malloc(sizeof(float) * LANES * K);
-    if (!pad) return 1;
-    double total = 0.0;
-    vf m = splat(momentum);
-    ahead_t a = {0};
-    for (int64_t col = 0; col < P; col += LANES) {
-        int64_t width = P - col < LANES ? P - col : LANES;
-        if (NEW_BLOCK(0, col)) ahead_start(&a, W, ld, K, next_block(0, col));
-        vf gv = load_vec(g, col, width);
-        vf mean = weighted_sum(chunk_at(W, ld, K, col, width, pad), K, p, &a);
-        vf w_new = mean + m * (gv - load_vec(g_prev, col, width));
-        vf v = w_new - gv;                       /* padded lanes: 0 - 0 */
-        total += sum_lanes(v * v);
-        store_vec(out, col, width, w_new);
-    }
-    free(pad);
-    *sq_norm = total;
-    return 0;
-}
-
-/* CGW's last step: out_j = sum_k p_k w_kj - sum_k x_k d_kj, W and D read in one pass. With
- * x = 0 the correction sums to +0 and out is the mean's bits. */
-int fd_cgw(const float *W, const float *D, int64_t K, int64_t ldw, int64_t ldd, int64_t P,
-           const float *p, const float *x, float *out) {
-    float *pad = malloc(sizeof(float) * 2 * LANES * K);
-    if (!pad) return 1;
-    ahead_t aw = {0}, ad = {0};
-    for (int64_t col = 0; col < P; col += LANES) {
-        int64_t width = P - col < LANES ? P - col : LANES;
-        if (NEW_BLOCK(0, col)) {
-            ahead_start(&aw, W, ldw, K, next_block(0, col));
-            ahead_start(&ad, D, ldd, K, next_block(0, col));
-        }
-        vf mean = weighted_sum(chunk_at(W, ldw, K, col, width, pad), K, p, &aw);
-        vf correction = weighted_sum(chunk_at(D, ldd, K, col, width, pad + LANES * K), K, x, &ad);
-        store_vec(out, col, width, mean - correction);
-    }
-    free(pad);
+    free(sq); free(dot); free(total);
     return 0;
 }
 
@@ -172,7 +295,7 @@ int fd_fedgma(const float *W, const float *G, int64_t K, int64_t ldw, int64_t ld
               double *mask_sum) {
     float *pad = malloc(sizeof(float) * 2 * LANES * K);
     if (!pad) return 1;
-    double total = 0.0;
+    colsum_t total = {0};
     vf one = splat(1.0f);
     ahead_t aw = {0}, ag = {0};
     for (int64_t col = 0; col < P; col += LANES) {
@@ -206,11 +329,11 @@ int fd_fedgma(const float *W, const float *G, int64_t K, int64_t ldw, int64_t ld
         if (soft) mask = pick(pass, one, to_float(agree) / (float)K);
         vf result = mean - splat(eta) * (grad * mask);
         if (width < LANES) mask = keep(mask, LANE < (int32_t)width);  /* padded lanes */
-        total += sum_lanes(mask);
+        colsum_add(&total, col, mask);
         store_vec(out, col, width, result);
     }
     free(pad);
-    *mask_sum = total;
+    *mask_sum = colsum_total(&total);
     return 0;
 }
 

@@ -1,30 +1,43 @@
-"""The fused CPU kernels of kernels.c, compiled on first use and called through ctypes.
+"""The fused CPU kernels of kernels.c, compiled on first use and called through ctypes, and the
+choice, per rule and per machine, between them and the rules' torch-op form.
 
 On one CPU thread a chain of torch ops pays a pass over memory (or cache) per op, and a rule
 such as FedCong needs about ten; the C kernels make one pass over the stacked reports with all
-per-column sums in registers (see kernels.c). They are built with the machine's C compiler
+per-column sums in registers or L1 (see kernels.c). They are built with the machine's C compiler
 (``$CC``, else ``cc``) into ``$FEDDDP_CACHE`` (default ``~/.cache/fedddp``), under a name that
 hashes the source, the flags and the CPU, so a cache shared by different nodes never hands one
 a binary built for another's instruction set. Compilation takes well under a second and is
 atomic (a temporary file renamed into place), so ranks or jobs racing on it are safe.
 
-``lib(*tensors)`` returns the library when every tensor is a float32 CPU tensor whose columns
-are contiguous, else None: the rules then run their torch-op form, which is also the form used
-on CUDA (and the fallback, announced once on stderr, where no compiler works). Setting
-``FEDDDP_KERNELS=torch`` forces the torch-op form everywhere (the tests compare the two).
-Both forms are deterministic; they may differ from each other in the last bits, since they sum
-in different orders, and a run records which one it used (see ``describe``).
+Which form is faster depends on the CPU (vector width, memory system) and on torch's BLAS, so
+each rule's form is measured, not assumed: on first use a probe times both forms of every rule
+on a [16, 300007] stack (a fraction of a second in all) and keeps the faster (the kernel unless
+the torch ops win by more than 25%, see TORCH_MARGIN); the choice is cached beside the built
+library (same CPU hash) with the torch version it was measured against. FedMom, FedGMA and
+CGW take their kernel only where FedAvg does, so that their neutral settings keep giving
+FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c`` or
+``=torch`` forces one form for every rule (the tests compare the two).
+
+``lib(*tensors, rule=...)`` returns the library when the rule's chosen form is the kernel and
+every tensor is a float32 CPU tensor whose columns are contiguous, else None: the rule then
+runs its torch-op form, which is also the form used on CUDA (and the fallback, announced once
+on stderr, where no compiler works). Both forms are deterministic; they may differ from each
+other in the last bits, since they sum in different orders, and the run's start line records
+which one each rule used and why (``describe``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -32,7 +45,6 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
 # -ffp-contract=off: no fused multiply-add, so the bits do not depend on the CPU's instruction
 # set; -march=native only widens the vectors (columns are independent).
 FLAGS = ["-O3", "-std=gnu11", "-ffp-contract=off", "-fPIC", "-shared"]
-NATIVE = ["-march=native"]
 
 _F, _I64, _I32 = ctypes.c_float, ctypes.c_int64, ctypes.c_int32
 _PTR, _DPTR, _LPTR = ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int64)
@@ -40,6 +52,7 @@ SIGNATURES = {
     "fd_mix": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
     "fd_fedmom": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F, _PTR, _DPTR],
     "fd_cgw": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
+    "fd_cgw_stats": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
     "fd_fedgma": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I32, _I32, _F, _PTR, _DPTR],
     "fd_fedcong": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I32, _PTR, _LPTR],
 }
@@ -60,19 +73,41 @@ def _cpu_signature() -> str:
     return platform.machine() + platform.processor()
 
 
+def cpu_description() -> str:
+    """The CPU's model name and widest vector instruction set, e.g. "AMD EPYC; AVX2 + FMA"."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith(("model name", "Model", "CPU part")):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = set(_cpu_signature().split(":")[-1].split())
+    for flag, isa in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sve", "SVE"),
+                      ("asimd", "NEON"), ("sse2", "SSE2")):
+        if flag in flags:
+            return f"{model}; {isa}" + (" + FMA" if "fma" in flags and flag.startswith("avx") else "")
+    return f"{model}; {platform.machine()}"
+
+
 def cache_dir() -> str:
     return os.environ.get("FEDDDP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fedddp")
 
 
-def compile_library(native: bool = True) -> ctypes.CDLL:
-    """Build (or find in the cache) and load kernels.c; native=False leaves out -march=native
-    (the baseline instruction set: the tests compare its bits with the native build's)."""
+def compile_library(march: str | None = "native", lanes: int | None = None) -> ctypes.CDLL:
+    """Build (or find in the cache) and load kernels.c for ``-march=<march>``; None: the
+    compiler's baseline instruction set (the tests compare the bits of several builds). A
+    compiler without -march=native still builds the baseline. ``lanes`` overrides the
+    register-chunk kernels' lane count (for A/B measurements, bench/aggregate.py --lanes)."""
     with open(SOURCE, "rb") as fh:
         source = fh.read()
     compiler = os.environ.get("CC", "cc")
-    targets = (NATIVE, []) if native else ([],)
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + targets[0]).encode(), compiler.encode(),
+    flags = FLAGS + ([f"-DLANES={lanes}"] if lanes else [])
+    targets = ([f"-march={march}"], []) if march else ([],)
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags + targets[0]).encode(), compiler.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     folder = cache_dir()
     path = os.path.join(folder, f"kernels-{key}.so")
@@ -83,7 +118,7 @@ def compile_library(native: bool = True) -> ctypes.CDLL:
         try:
             errors = ""
             for extra in targets:  # a compiler without -march=native still builds it
-                done = subprocess.run([compiler, *FLAGS, *extra, "-o", tmp, SOURCE],
+                done = subprocess.run([compiler, *flags, *extra, "-o", tmp, SOURCE],
                                       capture_output=True, text=True)
                 if done.returncode == 0:
                     break
@@ -98,6 +133,7 @@ def compile_library(native: bool = True) -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(library, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    library.fd_lanes.argtypes, library.fd_lanes.restype = [], ctypes.c_int
     return library
 
 
@@ -113,29 +149,194 @@ def _library() -> ctypes.CDLL | None:
     return _loaded
 
 
-def enabled() -> bool:
-    return os.environ.get("FEDDDP_KERNELS", "c") != "torch"
+# -- which form each rule takes -----------------------------------------------------------------
+
+# The rules with a fused kernel; every other rule's averages go through weighted_mean_P, which
+# takes FedAvg's form.
+RULES = ("fedavg", "feder", "fedmom", "cgw", "fedgma", "fedcong")
+# Rules whose neutral setting must return FedAvg's vector bit for bit: their kernel forms the
+# mean as fd_mix does, their torch-op form through weighted_mean_P (FedAvg's form), so they may
+# take the kernel only where FedAvg does.
+NEUTRAL_IS_FEDAVG = ("fedmom", "cgw", "fedgma")
+# A 19 MB stack: past L2, as real stacks are. Not a power of two: rows 2^k floats apart share
+# cache sets and made the row-streaming kernels look slower than on any real model.
+PROBE_CLIENTS, PROBE_PARAMS = 16, 300_007
+# The kernel is kept unless the torch-op form is faster by more than this: within it the two are
+# equal to the probe's accuracy (on a 2-core machine at load average 4, successive probes put
+# FedAvg's torch/kernel speed ratio anywhere from 0.8 to 1.3), and the kernel's bits are the
+# same on every CPU (BLAS's are not).
+TORCH_MARGIN = 1.25
+# A cheap rule (FedAvg: ~0.5 ms a call) is timed until both forms have had this many seconds,
+# up to PROBE_MAX_REPEATS calls each: the best of a few calls of a short one is noise.
+PROBE_BUDGET, PROBE_MAX_REPEATS = 0.04, 30
+
+_forms: dict[str, tuple[str, str]] | None = None   # rule -> ("c" | "torch", why)
+_probing: str | None = None                         # the form the probe is timing
+_warned: set[str] = set()                           # FEDDDP_KERNELS values already reported
 
 
-def lib(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The compiled kernels if they apply to these tensors (float32, CPU, unit column stride)."""
-    if not enabled():
+def _mode() -> str:
+    """"c" or "torch" when forced (FEDDDP_KERNELS, or the probe timing one form), else "auto"."""
+    if _probing is not None:
+        return _probing
+    mode = os.environ.get("FEDDDP_KERNELS", "auto")
+    if mode in ("c", "torch"):
+        return mode
+    if mode not in ("auto", "") and mode not in _warned:
+        _warned.add(mode)
+        print(f"fedddp: FEDDDP_KERNELS={mode!r} is not one of c, torch, auto; using auto (each "
+              "rule's faster form). Set FEDDDP_KERNELS=c or =torch to force one.", file=sys.stderr)
+    return "auto"
+
+
+def _probe_inputs():
+    from fedddp.config import AlgorithmConfig
+    from fedddp.flat import runs_R3
+
+    K, P = PROBE_CLIENTS, PROBE_PARAMS
+    gen = torch.Generator().manual_seed(0)
+    global_P = torch.randn(P, generator=gen)
+    params_KP = torch.rand(K, P, generator=gen).sub_(0.5).mul_(0.01).add_(global_P)
+    grads_KP = torch.rand(K, P, generator=gen).sub_(0.5)
+    group_P = torch.arange(P) * 8 // P                  # 8 conv groups in runs, as in a model
+    stacks = {"params_KP": params_KP, "num_samples_K": torch.arange(10.0, 10.0 + K),
+              "train_loss_K": torch.rand(K, generator=gen), "last_grad_KP": grads_KP,
+              "full_grad_KP": grads_KP, "full_loss_K": 0.5 + torch.rand(K, generator=gen),
+              "eff_rank_KL": 3 * torch.rand(K, 8, generator=gen), "conv_runs_R3": runs_R3(group_P)}
+    hp = AlgorithmConfig(server_momentum=0.9, cong_alpha=0.7, gma_threshold=0.8, server_lr=1.0,
+                         cgw_alpha=0.1)
+    return global_P, stacks, hp
+
+
+def probe(rules=RULES, repeats: int = 3) -> dict[str, tuple[str, str]]:
+    """Times both forms of each rule, alternating them (best of at least `repeats` calls each,
+    after a warm-up), and returns rule -> (chosen form, why). On one thread the clock is the
+    process's CPU time, which leaves out the time other jobs on a shared machine take."""
+    global _probing
+    from fedddp import strategies
+
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    global_P, stacks, hp = _probe_inputs()
+    forms = {}
+    for rule in rules:
+        strategy = strategies.get(rule)
+        state = strategy.init_state(global_P, hp)
+        seconds = {"c": math.inf, "torch": math.inf}
+        spent, rep = 0.0, 0
+        # at least `repeats` timed calls per form; cheap calls more, up to PROBE_BUDGET each rule
+        while rep <= repeats or (spent < PROBE_BUDGET and rep <= PROBE_MAX_REPEATS):
+            rep += 1
+            for form in seconds:
+                _probing = form
+                try:
+                    start = clock()
+                    strategy.aggregate(global_P, stacks, state, hp)
+                    elapsed = clock() - start
+                finally:
+                    _probing = None
+                spent += elapsed
+                if rep > 1:                              # the first call warms up
+                    seconds[form] = min(seconds[form], elapsed)
+        speedup = seconds["torch"] / max(seconds["c"], 1e-9)
+        if speedup >= 1.0:
+            forms[rule] = ("c", f"probe: {speedup:.1f}x the torch-op form's speed")
+        elif speedup * TORCH_MARGIN >= 1.0:
+            forms[rule] = ("c", f"probe: {speedup:.2f}x the torch-op form's speed, a tie "
+                                f"within {TORCH_MARGIN - 1:.0%}: the kernel's bits do not "
+                                "depend on the CPU")
+        else:
+            forms[rule] = ("torch", f"probe: {1 / speedup:.1f}x the C kernel's speed")
+    if "fedavg" in forms and forms["fedavg"][0] == "torch":
+        for rule in NEUTRAL_IS_FEDAVG:
+            if forms.get(rule, ("torch",))[0] == "c":
+                forms[rule] = ("torch", "follows fedavg, so that its neutral setting gives "
+                                        "FedAvg's bits; " + forms[rule][1])
+    return forms
+
+
+def _forms_path(library: ctypes.CDLL) -> str:
+    return library._name[:-len(".so")] + ".forms.json"
+
+
+def forms() -> dict[str, tuple[str, str]]:
+    """rule -> (form, why) on this machine in auto mode: the cached probe, else a new one."""
+    global _forms
+    if _forms is not None:
+        return _forms
+    library = _library()
+    if library is None:
+        _forms = {rule: ("torch", "no C compiler") for rule in RULES}
+        return _forms
+    path = _forms_path(library)
+    try:
+        with open(path) as fh:
+            cached = json.load(fh)
+        if cached.get("torch") == torch.__version__ and set(cached["forms"]) == set(RULES):
+            _forms = {rule: (form, why + ", cached")
+                      for rule, (form, why) in cached["forms"].items()}
+            return _forms
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    _forms = probe()
+    tmp = None
+    try:                         # atomic, as the library: jobs racing on it are safe
+        fd, tmp = tempfile.mkstemp(suffix=".json", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"torch": torch.__version__, "forms": _forms}, fh, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass                     # a read-only cache: the choice is just not kept
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
+    return _forms
+
+
+def lib(*tensors: torch.Tensor, rule: str | None = None) -> ctypes.CDLL | None:
+    """The compiled kernels if this rule's form is the kernel and they apply to these tensors
+    (float32, CPU, unit column stride); rule None: whenever they apply."""
+    mode = _mode()
+    if mode == "torch":
         return None
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32 or (t.dim() and t.stride(-1) != 1):
             return None
-    return _library()
+    library = _library()
+    if library is None or mode == "c" or rule is None:
+        return library
+    return library if forms()[rule][0] == "c" else None
 
 
-def describe(device: torch.device) -> str:
-    """Which form the server rules take on this device, for the run's log."""
-    if device.type != "cpu" or not enabled():
+def describe(device: torch.device, rule: str | None = None) -> str:
+    """Which form the server rules (or one rule) take on this device and why, for the run's
+    start line; on CPU it builds the kernels and runs the probe if they are not cached."""
+    if device.type != "cpu":
         return "torch ops"
-    return "fused C kernels" if _library() is not None else "torch ops (no C compiler)"
+    mode = _mode()
+    if mode == "torch":
+        return "torch ops (FEDDDP_KERNELS=torch)"
+    if _library() is None:
+        return "torch ops (no C compiler)"
+    if mode == "c":
+        return "fused C kernels (FEDDDP_KERNELS=c)"
+    chosen = forms()
+    if rule is not None:
+        if rule not in chosen:       # the rule's averages take FedAvg's form
+            form, why = chosen["fedavg"]
+            why = "as fedavg, " + why
+        else:
+            form, why = chosen[rule]
+        return f"{'fused C kernel' if form == 'c' else 'torch ops'} ({why})"
+    by_form = {f: [r for r in RULES if chosen[r][0] == f] for f in ("c", "torch")}
+    parts = [f"{name} for {', '.join(by_form[f])}" for f, name in (("c", "fused C kernels"),
+                                                                    ("torch", "torch ops"))
+             if by_form[f]]
+    return "; ".join(parts) + " (faster in a probe on this CPU)"
 
 
 # -- calls: torch tensors in, fresh [P] output out; rows_KP may be a strided view (row stride
-# ld >= P), vectors must be contiguous. The scratch of the tail chunk is the only allocation. --
+# ld >= P), vectors must be contiguous. Scratch buffers (tail chunks, CGW's statistics) are the
+# only other allocations. --
 
 def _check(status: int) -> None:
     if status != 0:
@@ -143,7 +344,20 @@ def _check(status: int) -> None:
 
 
 def _vector(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float32 and t.is_contiguous():   # the common case, without ~8 us of ops
+        return t
     return t.to(torch.float32).contiguous()
+
+
+def mean(lib, rows_KP: torch.Tensor, weights_K: torch.Tensor) -> torch.Tensor:
+    """out_j = sum_k weights_k rows_kj: fd_mix with one run, its bounds a ctypes array (a
+    torch.tensor costs ~16 us, a tenth of a small model's whole average)."""
+    num_clients, num_params = rows_KP.shape
+    weights_K = _vector(weights_K)
+    out_P = torch.empty(num_params, dtype=torch.float32)
+    _check(lib.fd_mix(rows_KP.data_ptr(), num_clients, rows_KP.stride(0), weights_K.data_ptr(),
+                      ctypes.addressof((ctypes.c_int64 * 2)(0, num_params)), 1, out_P.data_ptr()))
+    return out_P
 
 
 def mix(lib, rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.Tensor) -> torch.Tensor:
@@ -176,6 +390,16 @@ def cgw(lib, rows_KP, grads_KP, weights_K, x_K):
                       grads_KP.stride(0), num_params, weights_K.data_ptr(), x_K.data_ptr(),
                       out_P.data_ptr()))
     return out_P
+
+
+def cgw_stats(lib, grads_KP):
+    """(||D_k||^2, D_k . sum_j D_j) as float64 [K] tensors, every sum in float64."""
+    num_clients, num_params = grads_KP.shape
+    sq_norm_K = torch.empty(num_clients, dtype=torch.float64)
+    m_K = torch.empty(num_clients, dtype=torch.float64)
+    _check(lib.fd_cgw_stats(grads_KP.data_ptr(), num_clients, grads_KP.stride(0), num_params,
+                            sq_norm_K.data_ptr(), m_K.data_ptr()))
+    return sq_norm_K, m_K
 
 
 def fedgma(lib, rows_KP, grads_KP, weights_K, global_P, need: int, soft: bool, server_lr: float):
