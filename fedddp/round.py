@@ -284,7 +284,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     if comm.is_main:
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
         # out; the line says which form of the rules produced this run's bits.
-        form = strategies.kernels.describe(device)
+        form = strategies.kernels.describe(device, rule=server_name)
         if rc.progress:
             print(f"fedddp: {comm.world_size} rank(s) on {device.type}; {describe_algorithm(cfg)}; "
                   f"aggregation: {form}", file=sys.stderr, flush=True)
