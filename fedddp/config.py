@@ -213,6 +213,9 @@ def _coerce(value: Any, typ: type, path: str, errors: list[str]) -> Any:
 def from_dict(raw: dict[str, Any], errors: list[str]) -> Config:
     cfg = Config()
     for section, table in raw.items():
+        if section == "sweep":  # read by fedddp.sweep, which runs the file's base config per combination
+            errors.append("sweep: this file is a sweep; run it with python -m fedddp.sweep FILE")
+            continue
         if section not in SECTIONS:
             errors.append(f"{section}: unknown section (valid: {', '.join(SECTIONS)})")
             continue
