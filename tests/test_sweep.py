@@ -5,6 +5,7 @@ a run with other settings."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -114,3 +115,19 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
     refused = run_sweep(path, "--out", str(out), "--dry-run")
     assert refused.returncode == 2 and "holds a run with other settings (data.num_clients: 8 there, 9 here)" \
         in refused.stderr
+
+
+def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch):
+    """One single-rank task per combination. Also guards a crash of a one-rank distributed run
+    (a submitit task or torchrun --nproc_per_node=1): rank 0 gathered into a buffer it never made."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the LocalExecutor copies this environment
+    path, out = write_sweep(tmp_path, SWEEP_FILE.replace("[0, 1, 2]", "[0, 1]")), tmp_path / "out"
+    assert sweep.main([path, "--out", str(out), "--slurm", "--local", "--gpus-per-node", "0", "--time", "10",
+                       "--output", str(tmp_path / "submitit" / "%j")]) == 0
+    deadline = time.monotonic() + 300
+    while not all((out / f"seed={s}" / "final.pt").exists() for s in (0, 1)):
+        errors = "".join(p.read_text() for p in (tmp_path / "submitit").rglob("*.err"))
+        assert "Traceback" not in errors, errors[-3000:]
+        assert time.monotonic() < deadline, errors[-3000:]
+        time.sleep(1)
+    assert [row["round"] for row in metrics(out / "seed=1")] == [1, 2, 3]
