@@ -1,7 +1,7 @@
 """Tables of mean +- std over seeds, from finished runs: the form of a paper's table.
 
     python -m fedddp.summary runs/sweep [DIR ...] [--metric test_accuracy[,test_loss]]
-                             [--at last|best|mean-last-K] [--by key,...] [--format md|csv]
+                             [--at last|best|mean-last-K|rounds-A-B] [--by key,...] [--format md|csv]
 
 A DIR is a run's out_dir or any folder above run folders (a sweep's --out). Runs are grouped by
 the config keys whose values differ between them, except the seeds (run.seed, data.seed) and
@@ -12,7 +12,8 @@ number per run:
 
   last          the metric at the last round that has a value (the final evaluation)
   best          its best value over the rounds (lowest for losses, MAE and seconds, else highest)
-  mean-last-K   the mean of its last K values (seed 000's Table 1 averages rounds 171-200: K = 30)
+  mean-last-K   the mean of its last K values
+  rounds-A-B    the mean of its values in rounds A to B (seed 000's Table 1: rounds-171-200)
 
 A run without final.pt (unfinished) or without a value of the metric is left out with one line
 on stderr. Exit status 2 when nothing is left to summarise or an argument is wrong.
@@ -109,23 +110,29 @@ def lower_is_better(metric: str) -> bool:
     return metric.endswith(("loss", "mae", "_s")) or "error" in metric
 
 
-def parse_at(at: str) -> tuple[str, int]:
-    """'last' | 'best' | 'mean-last-K' -> (kind, K)."""
+def parse_at(at: str) -> tuple[str, int, int]:
+    """'last' | 'best' | 'mean-last-K' | 'rounds-A-B' -> (kind, K or A, B)."""
     if at in ("last", "best"):
-        return at, 1
-    match = re.fullmatch(r"mean-last-(\d+)", at)
-    if match and int(match.group(1)) > 0:
-        return "mean-last", int(match.group(1))
-    raise ConfigError(f"--at: {at!r} is not last, best or mean-last-K with K >= 1 (e.g. mean-last-30)")
+        return at, 1, 0
+    if (match := re.fullmatch(r"mean-last-(\d+)", at)) and int(match.group(1)) > 0:
+        return "mean-last", int(match.group(1)), 0
+    if (match := re.fullmatch(r"rounds-(\d+)-(\d+)", at)) and 1 <= int(match.group(1)) <= int(match.group(2)):
+        return "rounds", int(match.group(1)), int(match.group(2))
+    raise ConfigError(f"--at: {at!r} is not last, best, mean-last-K (K >= 1, e.g. mean-last-30) or "
+                      "rounds-A-B (1 <= A <= B, e.g. rounds-171-200)")
 
 
-def reduce(values: list[float], metric: str, at: str) -> float:
-    """One number per run from its metric's values in round order (``values`` non-empty)."""
-    kind, k = parse_at(at)
+def reduce(rounds: list[int], values: list[float], metric: str, at: str) -> float | None:
+    """One number per run from its metric's values in round order (non-empty); None when
+    rounds-A-B holds none of them."""
+    kind, k, last = parse_at(at)
     if kind == "last":
         return values[-1]
     if kind == "best":
         return min(values) if lower_is_better(metric) else max(values)
+    if kind == "rounds":
+        values = [v for r, v in zip(rounds, values) if k <= r <= last]
+        return sum(values) / len(values) if values else None
     return sum(values[-k:]) / len(values[-k:])
 
 
@@ -168,11 +175,12 @@ def group_runs(runs: list[Run], keys: list[str]) -> dict[tuple, list[Run]]:
     return dict(sorted(groups.items(), key=lambda item: [natural_key(str(v)) for v in item[0]]))
 
 
-def usable(runs: list[Run], metrics: list[str], warn) -> list[Run]:
-    """The finished runs that have every metric; each other run is one line through ``warn``."""
+def usable(runs: list[Run], metrics: list[str], warn, at: str = "last") -> list[Run]:
+    """The finished runs that have every metric (in rounds A-B for rounds-A-B); each other run is
+    one line through ``warn``."""
     kept = []
     for run in runs:
-        missing = [m for m in metrics if not run.series(m)[1]]
+        missing = [m for m in metrics if not run.series(m)[1] or reduce(*run.series(m), m, at) is None]
         if not run.finished:
             warn(f"skipped {run.folder}: unfinished (no final.pt)")
         elif missing:
@@ -189,7 +197,7 @@ def summarise(runs: list[Run], metrics: list[str], at: str, keys: list[str]) -> 
     for values, members in group_runs(runs, keys).items():
         row = dict(zip(keys, values))
         for metric in metrics:
-            per_run = [reduce(run.series(metric)[1], metric, at) for run in members]
+            per_run = [reduce(*run.series(metric), metric, at) for run in members]
             row[metric] = (*mean_std(per_run), len(per_run))
         rows.append(row)
     return rows
@@ -227,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dirs", nargs="+", help="run folders, or folders above them (a sweep's --out)")
     parser.add_argument("--metric", default="test_accuracy",
                         help="metrics.jsonl key(s), comma-separated (default test_accuracy)")
-    parser.add_argument("--at", default="last", help="last, best or mean-last-K (default last)")
+    parser.add_argument("--at", default="last", help="last, best, mean-last-K or rounds-A-B (default last)")
     parser.add_argument("--by", default=None, help="grouping keys, comma-separated (default: the keys "
                                                    "that differ, seeds left out)")
     parser.add_argument("--format", default="md", choices=("md", "csv"))
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_at(args.at)
         metrics = [m for m in args.metric.split(",") if m]
-        runs = usable(find_runs(args.dirs), metrics, warn)
+        runs = usable(find_runs(args.dirs), metrics, warn, args.at)
         if not runs:
             raise ConfigError(f"no finished run with {', '.join(metrics)} in {', '.join(args.dirs)}")
         keys = resolve_keys(args.by.split(","), runs) if args.by else differing_keys(runs)

@@ -61,6 +61,9 @@ def test_groups_by_the_differing_keys_and_gives_mean_and_sample_std(sweep):
     assert best[1]["test_loss"][0] == pytest.approx(statistics.mean([0.30, 0.29, 0.25]))
     mean_last_2 = summary.summarise(runs, ["test_accuracy"], "mean-last-2", keys)
     assert mean_last_2[0]["test_accuracy"][0] == pytest.approx(statistics.mean([0.55, 0.56, 0.57]))
+    round_2 = summary.summarise(runs, ["test_accuracy"], "rounds-2-5", keys)  # rounds past the end: none
+    assert round_2[1]["test_accuracy"][0] == pytest.approx(statistics.mean([0.70, 0.71, 0.75]))
+    assert summary.usable(runs, ["test_accuracy"], print, "rounds-3-4") == []
 
 
 def test_cli_tables_skip_unfinished_and_metricless_runs(sweep, tmp_path):
