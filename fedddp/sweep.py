@@ -1,6 +1,7 @@
 """Run the Cartesian product of config values, one run folder per combination.
 
-    python -m fedddp.sweep CONFIG [key=v1,v2 ...] [--out DIR] [--dry-run] [--parallel J] [--ranks N]
+    python -m fedddp.sweep CONFIG [key=v1,v2 ...] [--out DIR] [--set key=value] [--dry-run] [--parallel J]
+                           [--ranks N]
     python -m fedddp.sweep CONFIG [key=v1,v2 ...] --slurm [launch/submit.py flags, e.g. --partition P]
 
     python -m fedddp.sweep configs/quickstart.toml algorithm.name=fedavg,fedmom run.seed=0,1,2 --out runs/cmp
@@ -10,7 +11,8 @@ Axes come from the config file's ``[sweep]`` table (lists of values, keyed by do
 keys) and from the command line (``key=v1,v2``; a key given there replaces the file's axis). A
 key joining several keys with ``+`` varies them together, one list per value, e.g.
 ``"data.name+model.name" = [["mnist", "cnn"], ["cifar10", "resnet18"]]``. Everything else in
-the file is the base config of every run. Each combination runs as
+the file is the base config of every run; ``--set key=value`` changes it for every run without
+naming the folders after it (e.g. ``--set run.device=cpu``). Each combination runs as
 ``python -m fedddp DIR/base.toml key=value ... run.out_dir=DIR/NAME`` (through torchrun with
 --ranks N), NAME being its values, e.g. ``name=fedavg,seed=1``; its output goes to
 DIR/logs/NAME.log. DIR is --out, else the base config's run.out_dir.
@@ -191,11 +193,16 @@ def settings_mismatch(folder: str, cfg: config.Config) -> list[str]:
             if k in there and k not in HOW_KEYS and there[k] != here[k]]
 
 
-def plan(config_path: str, items: list[str], out: str | None) -> tuple[str, dict, list[Point]]:
+def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] = ()) -> tuple[str, dict, list[Point]]:
     """Check every combination's config and decide what to do with each; returns (DIR, the base
-    config's tables, points). Nothing is written."""
+    config's tables, points). ``fixed``: key=value overrides of every run, not in the names.
+    Nothing is written."""
     raw, file_axes = read_sweep_file(config_path)
     axes = merge_axes(file_axes, cli_axes(items))
+    for item in fixed:
+        key, sep, _ = item.partition("=")
+        if not sep or key == "run.out_dir" or any(key in axis.keys for axis in axes):
+            raise ConfigError(f"--set {item}: a key=value for every run (not run.out_dir, not a swept key)")
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base.toml")
         write_base(raw, base, config_path)
@@ -206,6 +213,7 @@ def plan(config_path: str, items: list[str], out: str | None) -> tuple[str, dict
                 raise ConfigError(str(exc).replace(base, config_path)) from None
         points = expand(axes, out)
         for point in points:
+            point.overrides += list(fixed)
             try:
                 point.cfg = config.load(base, point.overrides + [f"run.out_dir={point.out_dir}"])
             except ConfigError as exc:
@@ -340,6 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="experiment TOML, optionally with a [sweep] table")
     parser.add_argument("axes", nargs="*", help="key=v1,v2 (section.key; a+b=x+y,z+w varies keys together)")
     parser.add_argument("--out", default=None, help="folder of the sweep's runs (default: the config's run.out_dir)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of every run, not part of the folder names (e.g. run.device=cpu)")
     parser.add_argument("--dry-run", action="store_true", help="list the combinations and what would be done")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks per run; > 1 starts each through torchrun")
@@ -351,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"unknown flag(s) {' '.join(rest)} (launch/submit.py flags need --slurm)")
         if args.parallel < 1 or args.ranks < 1:
             raise ConfigError("--parallel and --ranks: must be >= 1")
-        out, raw, points = plan(args.config, args.axes, args.out)
+        out, raw, points = plan(args.config, args.axes, args.out, args.set)
         if args.dry_run:
             for point in points:
                 print(f"{point.status:7s} {point.out_dir}  {' '.join(point.overrides)}")

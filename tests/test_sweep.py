@@ -2,6 +2,7 @@
 by its values; a rerun skips finished runs, resumes unfinished ones and refuses a folder that holds
 a run with other settings."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -131,3 +132,15 @@ def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch)
         assert time.monotonic() < deadline, errors[-3000:]
         time.sleep(1)
     assert [row["round"] for row in metrics(out / "seed=1")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "sweeps", "*.toml"))),
+                         ids=os.path.basename)
+def test_paper_sweep_files_are_headed_and_every_combination_is_valid(path, tmp_path):
+    with open(path) as fh:
+        header = [line for line in fh if line.startswith("#")]
+    for field in ("# Paper:", "# Hardware:", "python -m fedddp.sweep " + os.path.relpath(path, REPO)):
+        assert any(field in line for line in header), f"{path}: header lacks {field!r}"
+    assert any(line.startswith(("# Table:", "# Figure:")) for line in header)
+    _, _, points = sweep.plan(path, [], str(tmp_path))
+    assert len(points) > 1 and all(p.status == "new" for p in points)
