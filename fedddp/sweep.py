@@ -322,14 +322,11 @@ def _load_submit():
     return module
 
 
-def run_slurm(base: str, config_path: str, points: list[Point], ranks: int, flags: list[str]) -> list:
+def run_slurm(submit, slurm_args, base: str, points: list[Point], ranks: int) -> list:
     """One submitit job array, a task per pending combination; returns the jobs."""
-    submit = _load_submit()
-    if ranks > 1 and "--tasks-per-node" not in flags:
-        flags = flags + ["--tasks-per-node", str(ranks)]
-    if "--name" not in flags:
-        flags = flags + ["--name", os.path.splitext(os.path.basename(config_path))[0]]
-    executor = submit.make_executor(submit.parse_args([base] + flags))
+    if slurm_args.tasks_per_node is None and ranks > 1:
+        slurm_args.tasks_per_node = ranks
+    executor = submit.make_executor(slurm_args)
     todo = [p for p in points if p.status != "done"]
     # paths absolute: a task (or its requeue) may start in another directory
     argvs = [[os.path.abspath(base)] + p.overrides + [f"run.out_dir={os.path.abspath(p.out_dir)}"]
@@ -359,6 +356,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if rest and not args.slurm:
             raise ConfigError(f"unknown flag(s) {' '.join(rest)} (launch/submit.py flags need --slurm)")
+        submit = slurm_args = None
+        if args.slurm:
+            submit = _load_submit()
+            # axes written after a launcher flag land among the launcher's positionals
+            slurm_args = submit.parse_args([args.config] + rest)
+            args.axes += slurm_args.overrides
         if args.parallel < 1 or args.ranks < 1:
             raise ConfigError("--parallel and --ranks: must be >= 1")
         out, raw, points = plan(args.config, args.axes, args.out, args.set)
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         base = os.path.join(out, "base.toml")
         write_base(raw, base, args.config)
         if args.slurm:
-            run_slurm(base, args.config, points, args.ranks, rest)
+            run_slurm(submit, slurm_args, base, points, args.ranks)
             return 0
         return run_local(base, out, points, args.parallel, args.ranks)
     except UserError as exc:
