@@ -232,8 +232,10 @@ def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] =
 
 
 def run_argv(base: str, point: Point) -> list[str]:
+    """``python -m fedddp``'s arguments for one combination. Paths are absolute: a Slurm task
+    (or its requeue) may start in another directory."""
     resume = ["run.resume=true"] if point.status in ("resume", "restart") else []
-    return [base] + point.overrides + [f"run.out_dir={point.out_dir}"] + resume
+    return [os.path.abspath(base)] + point.overrides + [f"run.out_dir={os.path.abspath(point.out_dir)}"] + resume
 
 
 def launcher(ranks: int) -> list[str]:
@@ -328,11 +330,8 @@ def run_slurm(submit, slurm_args, base: str, points: list[Point], ranks: int) ->
         slurm_args.tasks_per_node = ranks
     executor = submit.make_executor(slurm_args)
     todo = [p for p in points if p.status != "done"]
-    # paths absolute: a task (or its requeue) may start in another directory
-    argvs = [[os.path.abspath(base)] + p.overrides + [f"run.out_dir={os.path.abspath(p.out_dir)}"]
-             + (["run.resume=true"] if p.status in ("resume", "restart") else []) for p in todo]
     with executor.batch():
-        jobs = [executor.submit(submit.Trainer(argv)) for argv in argvs]
+        jobs = [executor.submit(submit.Trainer(run_argv(base, p))) for p in todo]
     for point, job in zip(todo, jobs):
         print(f"submitted {job.job_id}: {point.name}")
     return jobs
