@@ -1,6 +1,6 @@
 """fedddp.sweep: axes from the [sweep] table and the command line, one folder per combination named
 by its values; a rerun skips finished runs, resumes unfinished ones and refuses a folder that holds
-a run with other settings."""
+a run with other settings; --ranks runs through torchrun; --slurm submits a job array."""
 
 import glob
 import os
@@ -12,7 +12,7 @@ import pytest
 
 from fedddp import config, sweep
 from fedddp.errors import ConfigError
-from fedrun import REPO, metrics, run_fedddp
+from fedrun import REPO, assert_same_state, final_state, metrics, run_fedddp
 
 SWEEP_FILE = """
 [run]
@@ -111,6 +111,12 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
     for seed in (1, 2):
         assert (out / f"seed={seed}" / "final.pt").exists()
         assert [row["round"] for row in metrics(out / f"seed={seed}")] == [1, 2, 3]
+
+    # --ranks 2: through torchrun, and bitwise the run of one rank
+    ranked = run_sweep(path, "run.seed=0", "--ranks", "2", "--out", str(tmp_path / "ranked"))
+    assert ranked.returncode == 0, ranked.stderr
+    assert "--nproc_per_node=2" in (tmp_path / "ranked" / "logs" / "seed=0.log").read_text()
+    assert_same_state(final_state(tmp_path / "ranked" / "seed=0"), final_state(out / "seed=0"))
 
     (tmp_path / "sweep.toml").write_text(SWEEP_FILE.replace("num_clients = 8", "num_clients = 9"))
     refused = run_sweep(path, "--out", str(out), "--dry-run")
