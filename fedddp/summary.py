@@ -7,7 +7,7 @@ A DIR is a run's out_dir or any folder above run folders (a sweep's --out). Runs
 the config keys whose values differ between them, except the seeds (run.seed, data.seed) and
 keys that say how a run is run rather than what it computes (out_dir, resume, checkpointing,
 progress, data.root, ...); ``--by`` names the grouping keys instead (dotted, or the last part when
-it is unique: ``--by name,dirichlet_alpha``). Each cell is mean +- sample std (n runs) of one
+it is unique, or the only such key that varies: ``--by name,dirichlet_alpha``). Each cell is mean +- sample std (n runs) of one
 number per run:
 
   last          the metric at the last round that has a value (the final evaluation)
@@ -155,11 +155,15 @@ def differing_keys(runs: list[Run]) -> list[str]:
 
 
 def resolve_keys(names: list[str], runs: list[Run]) -> list[str]:
-    """--by names -> dotted config keys; a bare name must be the last part of exactly one key."""
+    """--by names -> dotted config keys; a bare name must be the last part of exactly one key,
+    or of exactly one key whose value differs between the runs (``name``: algorithm.name when
+    only the algorithms differ)."""
     known = list(dict.fromkeys(k for run in runs for k in run.config))
     keys = []
     for name in names:
         matches = [name] if name in known else [k for k in known if k.rsplit(".", 1)[-1] == name]
+        varying = [k for k in matches if len({repr(run.config.get(k)) for run in runs}) > 1]
+        matches = varying if len(matches) > 1 and len(varying) == 1 else matches
         if len(matches) != 1:
             what = "matches " + ", ".join(matches) if matches else "is no config key"
             raise ConfigError(f"--by: {name!r} {what}; give a dotted key such as algorithm.name")

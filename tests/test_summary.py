@@ -83,9 +83,12 @@ def test_cli_tables_skip_unfinished_and_metricless_runs(sweep, tmp_path):
     assert header == "algorithm.name,test_accuracy_mean,test_accuracy_std,test_accuracy_n,test_loss_mean," \
                      "test_loss_std,test_loss_n"
     assert first.startswith("fedavg,0.62") and first.endswith(",3")
-    bad = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "name"],
+    by_name = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "name"],
+                             capture_output=True, text=True, cwd=REPO)  # only algorithm.name varies
+    assert by_name.stdout == proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "seed"],
                          capture_output=True, text=True, cwd=REPO)
-    assert bad.returncode == 2 and "'name' matches data.name, model.name, algorithm.name" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "'seed' matches run.seed, data.seed" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_plot_group_curve_is_mean_and_std_over_rounds_all_runs_have(tmp_path):
