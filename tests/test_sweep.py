@@ -88,6 +88,7 @@ def run_sweep(*args):
                           cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_path):
     path, out = write_sweep(tmp_path), tmp_path / "out"
     first = run_sweep(path, "run.seed=0", "--out", str(out))  # the command line narrows the axis
@@ -124,6 +125,7 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
         in refused.stderr
 
 
+@pytest.mark.slow
 def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch):
     """One single-rank task per combination. Also guards a crash of a one-rank distributed run
     (a submitit task or torchrun --nproc_per_node=1): rank 0 gathered into a buffer it never made."""
