@@ -301,9 +301,15 @@ def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: in
         finally:
             slots.put(env)
 
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
+    pool = ThreadPoolExecutor(max_workers=parallel)
+    try:
         for future in [pool.submit(one, i, p) for i, p in enumerate(todo, 1)]:
             future.result()
+    except KeyboardInterrupt:
+        # the running runs got the same SIGINT from the terminal; start no more
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     if failed:
         print(f"fedddp.sweep: {len(failed)} of {len(todo)} run(s) failed: {'; '.join(failed)}", file=sys.stderr)
         return 1
