@@ -259,11 +259,11 @@ def validate(cfg: Config) -> list[str]:
                 errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}")
     positive = ["run.rounds", "run.eval_every", "run.num_threads", "data.num_clients", "data.shards_per_client",
                 "train.lr_step_size", "model.hidden"]
-    non_negative = ["run.seed", "data.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
+    non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
                     "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
                     "train.weight_decay", "algorithm.server_lr", "algorithm.prox_mu", "algorithm.sam_rho",
                     "algorithm.gam_rho", "algorithm.gam_alpha", "algorithm.cgw_alpha",
-                    "algorithm.moon_mu", "algorithm.smoo_lambda"]
+                    "algorithm.moon_mu", "algorithm.smoo_lambda", "data.seed"]
     for path in positive + non_negative:
         section, key = path.split(".")
         value = getattr(getattr(cfg, section), key)

@@ -7,8 +7,8 @@ A DIR is a run's out_dir or any folder above run folders (a sweep's --out). Runs
 the config keys whose values differ between them, except the seeds (run.seed, data.seed) and
 keys that say how a run is run rather than what it computes (out_dir, resume, checkpointing,
 progress, data.root, ...); ``--by`` names the grouping keys instead (dotted, or the last part when
-it is unique, or the only such key that varies: ``--by name,dirichlet_alpha``). Each cell is mean +- sample std (n runs) of one
-number per run:
+it is unique, or the only such key that varies: ``--by name,dirichlet_alpha``). Each cell is
+mean +- sample std (n runs) of one number per run:
 
   last          the metric at the last round that has a value (the final evaluation)
   best          its best value over the rounds (lowest for losses, MAE and seconds, else highest)
