@@ -15,7 +15,8 @@ the file is the base config of every run; ``--set key=value`` changes it for eve
 naming the folders after it (e.g. ``--set run.device=cpu``). Each combination runs as
 ``python -m fedddp DIR/base.toml key=value ... run.out_dir=DIR/NAME`` (through torchrun with
 --ranks N), NAME being its values, e.g. ``name=fedavg,seed=1``; its output goes to
-DIR/logs/NAME.log. DIR is --out, else the base config's run.out_dir.
+DIR/logs/NAME.log, and each invocation (time, commit, command) to DIR/logs/sweep.log. DIR is
+--out, else the base config's run.out_dir.
 
 Rerunning the same sweep skips finished runs (final.pt present) and resumes the others from
 their last checkpoint (run.resume=true), so a sweep can be extended by adding values, or
@@ -317,6 +318,31 @@ def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: in
     return 0
 
 
+def code_version() -> str:
+    """The fedddp commit that runs the sweep ("+ changes" when the checkout differs from it), or
+    "unknown" outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if commit.returncode != 0:
+        return "unknown"
+    return commit.stdout.strip() + (" + changes" if changed.stdout.strip() else "")
+
+
+def record_command(out: str, argv: list[str]) -> None:
+    """One line per invocation in DIR/logs/sweep.log: when, which code, which command (the
+    provenance of a table made from DIR)."""
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(os.path.join(out, "logs", "sweep.log"), "a") as fh:
+        fh.write(f"{when} commit {code_version()}: python -m fedddp.sweep {shlex.join(argv)}\n")
+
+
 def _load_submit():
     """launch/submit.py (a script beside the package, not part of it): its executor and its
     requeueing Trainer task."""
@@ -379,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         base = os.path.join(out, "base.toml")
         write_base(raw, base, args.config)
+        record_command(out, argv if argv is not None else sys.argv[1:])
         if args.slurm:
             run_slurm(submit, slurm_args, base, points, args.ranks)
             return 0

@@ -109,6 +109,9 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
     assert "seed=0" not in second.stdout
     assert "run.resume=true" in (out / "logs" / "seed=1.log").read_text().splitlines()[0]  # its command
     assert "run.resume=true" not in (out / "logs" / "seed=2.log").read_text()
+    invocations = (out / "logs" / "sweep.log").read_text().splitlines()
+    assert len(invocations) == 2 and " commit " in invocations[1]
+    assert invocations[1].endswith(f"python -m fedddp.sweep {path} --out {out} --parallel 2")
     for seed in (1, 2):
         assert (out / f"seed={seed}" / "final.pt").exists()
         assert [row["round"] for row in metrics(out / f"seed={seed}")] == [1, 2, 3]
