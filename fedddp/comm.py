@@ -49,7 +49,7 @@ class Comm:
         written into ``out_RMX`` (rank 0 only; None elsewhere). A gather, not an all-gather: rank 0
         is the only consumer, and over gloo an all-gather moves world_size times the bytes (on
         loopback with 2 ranks and the CNN's reports, 40 ms against 20 ms)."""
-        if not self.distributed:
+        if not self.distributed or self.world_size == 1:  # one rank (e.g. torchrun --nproc_per_node=1)
             return rows_MX
         rows_MX = rows_MX.contiguous()
         if self.is_main:

@@ -28,7 +28,9 @@ def opt(default: Any, doc: str, choices: tuple | None = None):
 @dataclass
 class RunConfig:
     rounds: int = opt(20, "Number of communication rounds (rounds are counted from 1).")
-    seed: int = opt(0, "Seed for data generation, partitioning, client sampling and local training.")
+    seed: int = opt(0, "Seed for training: model initialisation, client sampling and local shuffling. "
+                       "The data (partition, splits, synthetic samples, colours) follow data.seed, so "
+                       "runs that differ only in run.seed train on the same clients.")
     out_dir: str = opt("runs/default", "Output folder: config.toml, metrics.jsonl, final.pt, checkpoints/.")
     clients_per_round: int = opt(0, "Clients sampled per round (K). 0: use participation instead.")
     participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.")
@@ -95,6 +97,9 @@ class DataConfig:
                                       "clients are pairs of engines in unit order (data.partition is "
                                       "ignored), so data.num_clients must be ceil(engines / 2): 50, 130, "
                                       "50, 125 for FD001-FD004.", ("FD001", "FD002", "FD003", "FD004"))
+    seed: int = opt(0, "Seed for the data: the partition over clients, the holdout split, synthetic samples "
+                       "and colored MNIST's colours. Fixed (0) by default, so the spread over run.seed is "
+                       "training variation only; sweep it to measure variation over data draws.")
 
 
 @dataclass
@@ -219,6 +224,9 @@ def _coerce(value: Any, typ: type, path: str, errors: list[str]) -> Any:
 def from_dict(raw: dict[str, Any], errors: list[str]) -> Config:
     cfg = Config()
     for section, table in raw.items():
+        if section == "sweep":  # read by fedddp.sweep, which runs the file's base config per combination
+            errors.append("sweep: this file is a sweep; run it with python -m fedddp.sweep FILE")
+            continue
         if section not in SECTIONS:
             errors.append(f"{section}: unknown section (valid: {', '.join(SECTIONS)})")
             continue
@@ -266,7 +274,7 @@ def validate(cfg: Config) -> list[str]:
                     "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
                     "train.weight_decay", "algorithm.server_lr", "algorithm.prox_mu", "algorithm.sam_rho",
                     "algorithm.gam_rho", "algorithm.gam_alpha", "algorithm.cgw_alpha",
-                    "algorithm.moon_mu", "algorithm.smoo_lambda"]
+                    "algorithm.moon_mu", "algorithm.smoo_lambda", "data.seed"]
     for path in positive + non_negative:
         section, key = path.split(".")
         value = getattr(getattr(cfg, section), key)

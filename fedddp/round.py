@@ -234,7 +234,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
     error = None
     try:
-        data = build_data(cfg, rc.seed, owned)
+        data = build_data(cfg, cfg.data.seed, owned)
     except DataError as exc:
         error = exc
     _agree_on_failure(comm, error)

@@ -142,7 +142,7 @@ def test_holdout_carves_train_and_test_from_t10k(tmp_path):
     test_ids = pixel_index(fd.test.x)
     np.testing.assert_array_equal(np.sort(np.concatenate([train_ids, test_ids])), np.arange(100))
     other = build(cfg, seed=1, owned_ids=[])
-    assert not np.array_equal(pixel_index(other.test.x), test_ids)  # seeded by the run seed
+    assert not np.array_equal(pixel_index(other.test.x), test_ids)  # seeded by the data seed
 
 
 def test_fashionmnist_uses_its_folder_and_statistics(tmp_path):

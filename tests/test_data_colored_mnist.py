@@ -45,7 +45,7 @@ def colours(x_N3HW):
 def digits_of(root, cfg):
     """The digits behind each client and the test set, from the same holdout the build uses."""
     _, test = load(str(root), "mnist", with_train=False)
-    (_, train_digits), (_, test_digits) = holdout_split(test, cfg.data.holdout_from_test, cfg.run.seed)
+    (_, train_digits), (_, test_digits) = holdout_split(test, cfg.data.holdout_from_test, cfg.data.seed)
     return train_digits, test_digits
 
 

@@ -23,7 +23,7 @@ def test_one_full_batch_step_equals_centralised_step(tmp_path):
                              "run.progress=false"])
     result = run(cfg, Comm(SINGLE, "cpu"))
 
-    data = build_data(cfg, cfg.run.seed, list(range(8)))
+    data = build_data(cfg, cfg.data.seed, list(range(8)))
     x = torch.cat([data.train[k].x for k in range(8)])
     y = torch.cat([data.train[k].y for k in range(8)])
     torch.manual_seed(cfg.run.seed)

@@ -21,4 +21,4 @@ def test_plot_two_runs(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = subprocess.run([sys.executable, "-m", "fedddp.plot", str(tmp_path / "fedavg"), "--metric", "nope",
                           "--out", str(out)], capture_output=True, text=True, cwd=REPO)
-    assert bad.returncode == 2 and "no metric 'nope'" in bad.stderr and "test_accuracy" in bad.stderr
+    assert bad.returncode == 2 and "no run has values of 'nope'" in bad.stderr and "test_accuracy" in bad.stderr

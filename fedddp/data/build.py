@@ -1,4 +1,5 @@
-"""``build(cfg, seed, owned_ids)``: the data set named by ``cfg.data``, split over clients.
+"""``build(cfg, seed, owned_ids)``: the data set named by ``cfg.data``, split over clients; ``seed``
+is the data seed (``data.seed``), never the run seed, so a run seed changes only training.
 
 Every rank reads the label arrays and computes the same partition (seeded, pure), so it knows
 every client's sample count; it turns into float tensors only the images of the clients it owns,
@@ -22,7 +23,7 @@ _HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generat
 def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
     data = cfg.data
     if seed < 0:  # numpy's SeedSequence takes only non-negative entropy
-        raise ConfigError(f"run.seed: must be >= 0, got {seed}")
+        raise ConfigError(f"data.seed: must be >= 0, got {seed}")
     assert all(0 <= k < data.num_clients for k in owned_ids), (owned_ids, data.num_clients)
     if data.name == "synthetic":
         return synthetic.build(data, seed, owned_ids)

@@ -6,7 +6,7 @@ binary (``data.colored_variant = "binary"``, after Arjovsky et al. 2019): label 
 < 5, 1 for the rest (the paper's Fig. 3); strokes red for label 0 and green for label 1 on black,
 except that client k shows the other colour with its own probability p_k. The p_k are spread
 evenly over [``colored_flip_min``, ``colored_flip_max``] (0.1-0.2) and dealt to clients by a
-permutation seeded by the run seed. OOD test: the colour is reversed with probability
+permutation seeded by ``data.seed``. OOD test: the colour is reversed with probability
 ``colored_test_flip`` (0.9). No label noise: the paper adds none (Arjovsky et al. flip 25%).
 
 multiclass (after Arpit et al. 2019): label = digit; class c owns two foreground and two

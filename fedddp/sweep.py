@@ -1,0 +1,422 @@
+"""Run the Cartesian product of config values, one run folder per combination.
+
+    python -m fedddp.sweep CONFIG [key=v1,v2 ...] [--out DIR] [--set key=value] [--dry-run] [--parallel J]
+                           [--ranks N]
+    python -m fedddp.sweep CONFIG [key=v1,v2 ...] --slurm [launch/submit.py flags, e.g. --partition P]
+
+    python -m fedddp.sweep configs/quickstart.toml algorithm.name=fedavg,fedmom run.seed=0,1,2 --out runs/cmp
+    python -m fedddp.summary runs/cmp                     mean +- std over the seeds, per algorithm
+
+Axes come from the config file's ``[sweep]`` table (lists of values, keyed by dotted config
+keys) and from the command line (``key=v1,v2``; a key given there replaces the file's axis). A
+key joining several keys with ``+`` varies them together, one list per value, e.g.
+``"data.name+model.name" = [["mnist", "cnn"], ["cifar10", "resnet18"]]``. Everything else in
+the file is the base config of every run; ``--set key=value`` changes it for every run without
+naming the folders after it (e.g. ``--set run.device=cpu``). Each combination runs as
+``python -m fedddp DIR/base.toml key=value ... run.out_dir=DIR/NAME`` (through torchrun with
+--ranks N), NAME being its values, e.g. ``name=fedavg,seed=1``; its output goes to
+DIR/logs/NAME.log, and each invocation (time, commit, command) to DIR/logs/sweep.log. DIR is
+--out, else the base config's run.out_dir.
+
+Rerunning the same sweep skips finished runs (final.pt present) and resumes the others from
+their last checkpoint (run.resume=true), so a sweep can be extended by adding values, or
+continued after a crash or a time limit. A folder that holds a run with other settings is
+refused, never overwritten. --parallel J runs J combinations at once; on a GPU machine each gets
+its own --ranks GPUs through CUDA_VISIBLE_DEVICES. --slurm submits one submitit job array, a
+task per pending combination (each task: one rank per GPU, requeued with run.resume=true on
+preemption or time-out, as launch/submit.py does); its flags follow launch/submit.py's.
+
+Exit status: 0 every run done; 1 some run failed (named, with its log); 2 bad configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import config
+from .errors import ConfigError, UserError
+from .summary import HOW_KEYS, flatten
+
+
+@dataclass
+class Axis:
+    keys: tuple[str, ...]  # varied together
+    values: list[tuple[str, ...]]  # one override string per key, per value
+
+
+@dataclass
+class Point:
+    """One combination: its name, overrides, run folder, and what to do with it."""
+    name: str
+    overrides: list[str]
+    out_dir: str
+    status: str = "new"  # new | done (skipped) | resume (from its checkpoints) | restart
+    cfg: config.Config | None = field(default=None, repr=False)
+
+
+def override_text(value, path: str) -> str:
+    """A TOML scalar -> the text of a ``key=value`` override."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return repr(value) if isinstance(value, float) else str(value)
+    raise ConfigError(f"{path}: sweep values are numbers, strings or booleans, got {type(value).__name__} "
+                      f"{value!r}")
+
+
+def axis_from(key: str, values, where: str) -> Axis:
+    keys = tuple(k.strip() for k in key.split("+"))
+    if any(k.count(".") != 1 or not all(k.split(".")) for k in keys):
+        raise ConfigError(f"{where}{key}: a sweep key is section.key (or several joined by +), "
+                          "e.g. algorithm.name")
+    if "run.out_dir" in keys:
+        raise ConfigError(f"{where}run.out_dir: set by the sweep (one folder per combination under --out)")
+    values = values if isinstance(values, list) else [values]
+    if not values:
+        raise ConfigError(f"{where}{key}: no values")
+    rows = []
+    for value in values:
+        row = value if len(keys) > 1 else [value]
+        if not isinstance(row, list) or len(row) != len(keys):
+            raise ConfigError(f"{where}{key}: each value is a list of {len(keys)} ({', '.join(keys)}), "
+                              f"got {value!r}")
+        rows.append(tuple(override_text(v, f"{where}{key}") for v in row))
+    return Axis(keys, rows)
+
+
+def read_sweep_file(path: str) -> tuple[dict, list[Axis]]:
+    """(the base config's TOML tables, the axes of its [sweep] table)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    table = raw.pop("sweep", {})
+    # [sweep] algorithm.name = [...] parses as nested tables; "a.b+c.d" = [...] stays one key
+    flat = {}
+    for key, value in table.items():
+        if isinstance(value, dict) and "+" not in key:
+            flat.update({f"{key}.{k}": v for k, v in flatten(value).items()})
+        else:
+            flat[key] = value
+    return raw, [axis_from(key, values, "sweep.") for key, values in flat.items()]
+
+
+def cli_axes(items: list[str]) -> list[Axis]:
+    axes = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"{item}: a sweep axis is key=v1,v2 (e.g. run.seed=0,1,2)")
+        axes.append(axis_from(key, [v.split("+") if "+" in key else v for v in text.split(",")], ""))
+    return axes
+
+
+def merge_axes(file_axes: list[Axis], cli: list[Axis]) -> list[Axis]:
+    """The file's axes, each replaced by a command-line axis over the same keys; new axes last."""
+    by_keys = {a.keys: a for a in cli}
+    axes = [by_keys.pop(a.keys, a) for a in file_axes] + list(by_keys.values())
+    seen: dict[str, tuple] = {}
+    for axis in axes:
+        for key in axis.keys:
+            if key in seen:
+                raise ConfigError(f"{key}: varied by two axes ({'+'.join(seen[key])} and {'+'.join(axis.keys)})")
+            seen[key] = axis.keys
+    return axes
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """The last part of each key, or the whole dotted key where two keys share a last part
+    (run.seed and data.seed)."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
+
+
+def expand(axes: list[Axis], out: str) -> list[Point]:
+    """The Cartesian product of the axes, the first axis varying slowest."""
+    keys = [k for axis in axes for k in axis.keys]
+    short = short_names(keys)
+    points = []
+    for combo in itertools.product(*(axis.values for axis in axes)):
+        pairs = [(k, v) for axis, values in zip(axes, combo) for k, v in zip(axis.keys, values)]
+        name = ",".join(f"{short[k]}={v}" for k, v in pairs) or "run"
+        name = "".join("_" if c in "/\\ \t\n" else c for c in name)
+        points.append(Point(name, [f"{k}={v}" for k, v in pairs], os.path.join(out, name)))
+    names = [p.name for p in points]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"sweep: combinations repeat ({', '.join(twice[:3])}); remove repeated values")
+    return points
+
+
+def write_base(raw: dict, path: str, source: str) -> None:
+    """The sweep file without its [sweep] table: the base config every combination overrides."""
+    lines = [f"# The base config of the sweep {source} ([sweep] table removed), written by fedddp.sweep."]
+    for section, table in raw.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: {section}: expected a table such as [run]")
+        lines.append(f"\n[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {config._toml_value(value)}" if not isinstance(value, (dict, list))
+                         else f"{key} = {value!r}")  # config.load names the mistake
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+
+
+def settings_mismatch(folder: str, cfg: config.Config) -> list[str]:
+    """Keys whose value in the run already in ``folder`` differs from ``cfg``'s (how-to-run keys
+    left out)."""
+    try:
+        with open(os.path.join(folder, "config.toml"), "rb") as fh:
+            there = flatten(tomllib.load(fh))
+    except (OSError, tomllib.TOMLDecodeError):
+        return []
+    here = flatten(tomllib.loads(config.dumps(cfg)))
+    return [f"{k}: {there[k]!r} there, {here[k]!r} here" for k in here
+            if k in there and k not in HOW_KEYS and there[k] != here[k]]
+
+
+def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] = ()) -> tuple[str, dict, list[Point]]:
+    """Check every combination's config and decide what to do with each; returns (DIR, the base
+    config's tables, points). ``fixed``: key=value overrides of every run, not in the names.
+    Nothing is written."""
+    raw, file_axes = read_sweep_file(config_path)
+    axes = merge_axes(file_axes, cli_axes(items))
+    for item in fixed:
+        key, sep, _ = item.partition("=")
+        if not sep or key == "run.out_dir" or any(key in axis.keys for axis in axes):
+            raise ConfigError(f"--set {item}: a key=value for every run (not run.out_dir, not a swept key)")
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base.toml")
+        write_base(raw, base, config_path)
+        if out is None:
+            try:
+                out = config.load(base).run.out_dir
+            except ConfigError as exc:
+                raise ConfigError(str(exc).replace(base, config_path)) from None
+        points = expand(axes, out)
+        for point in points:
+            point.overrides += list(fixed)
+            try:
+                point.cfg = config.load(base, point.overrides + [f"run.out_dir={point.out_dir}"])
+            except ConfigError as exc:
+                raise ConfigError(f"combination {point.name}: {str(exc).replace(base, config_path)}") from None
+    for point in points:
+        if os.path.exists(os.path.join(point.out_dir, "final.pt")):
+            point.status = "done"
+        elif os.path.isdir(os.path.join(point.out_dir, "checkpoints")):
+            point.status = "resume"
+        elif os.path.isdir(point.out_dir) and os.listdir(point.out_dir):
+            point.status = "restart"  # started, nothing to resume from: round 1 again, in place
+        if point.status != "new" and (diff := settings_mismatch(point.out_dir, point.cfg)):
+            raise ConfigError(f"{point.out_dir}: holds a run with other settings ({'; '.join(diff[:3])}); "
+                              "sweep into another --out, or remove that folder")
+    return out, raw, points
+
+
+def run_argv(base: str, point: Point) -> list[str]:
+    """``python -m fedddp``'s arguments for one combination. Paths are absolute: a Slurm task
+    (or its requeue) may start in another directory."""
+    resume = ["run.resume=true"] if point.status in ("resume", "restart") else []
+    return [os.path.abspath(base)] + point.overrides + [f"run.out_dir={os.path.abspath(point.out_dir)}"] + resume
+
+
+def launcher(ranks: int) -> list[str]:
+    if ranks <= 1:
+        return [sys.executable, "-m", "fedddp"]
+    # --standalone: a fresh rendezvous on a free port, so parallel runs never collide
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+            "-m", "fedddp"]
+
+
+def gpu_slots(points: list[Point], parallel: int, ranks: int) -> list[dict[str, str]]:
+    """Extra environment of each of the ``parallel`` slots: disjoint CUDA_VISIBLE_DEVICES of
+    ``ranks`` GPUs each when the runs use CUDA, nothing otherwise."""
+    if not any(p.cfg.run.device == "cuda" for p in points) or parallel == 1 and ranks <= 1:
+        return [{} for _ in range(parallel)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g for g in visible.split(",") if g.strip()]
+    else:
+        import torch
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    need = parallel * max(ranks, 1)
+    if need > len(gpus):
+        raise ConfigError(f"--parallel {parallel} x --ranks {max(ranks, 1)} needs {need} GPUs, {len(gpus)} "
+                          "visible; lower --parallel")
+    per = max(ranks, 1)
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[s * per:(s + 1) * per])} for s in range(parallel)]
+
+
+def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: int) -> int:
+    todo = [p for p in points if p.status != "done"]
+    slots: queue.Queue = queue.Queue()
+    for env in gpu_slots(todo, parallel, ranks):
+        slots.put(env)
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    lock = threading.Lock()
+    failed: list[str] = []
+
+    def say(line: str) -> None:
+        with lock:
+            print(line, flush=True)
+
+    def one(index: int, point: Point) -> None:
+        env = slots.get()
+        try:
+            cmd = launcher(ranks) + run_argv(base, point)
+            log_path = os.path.join(out, "logs", f"{point.name}.log")
+            say(f"[{index}/{len(todo)}] {point.status:7s} {point.name}")
+            start = time.perf_counter()
+            with open(log_path, "a") as log:
+                log.write("$ " + " ".join([f"{k}={v}" for k, v in env.items()] + [shlex.join(cmd)]) + "\n")
+                log.flush()
+                status = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **env}).returncode
+            if status == 0:
+                say(f"[{index}/{len(todo)}] done    {point.name} ({time.perf_counter() - start:.1f} s)")
+            else:
+                with open(log_path) as fh:
+                    last = (fh.read().strip().splitlines() or [""])[-1]
+                say(f"[{index}/{len(todo)}] FAILED  {point.name} (exit {status}): {last}")
+                with lock:
+                    failed.append(f"{point.name} (log: {log_path})")
+        finally:
+            slots.put(env)
+
+    pool = ThreadPoolExecutor(max_workers=parallel)
+    try:
+        for future in [pool.submit(one, i, p) for i, p in enumerate(todo, 1)]:
+            future.result()
+    except KeyboardInterrupt:
+        # the running runs got the same SIGINT from the terminal; start no more
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    if failed:
+        print(f"fedddp.sweep: {len(failed)} of {len(todo)} run(s) failed: {'; '.join(failed)}", file=sys.stderr)
+        return 1
+    print(f"fedddp.sweep: {len(points)} run(s) in {out} done; summary: python -m fedddp.summary {shlex.quote(out)}")
+    return 0
+
+
+def code_version() -> str:
+    """The fedddp commit that runs the sweep ("+ changes" when the checkout differs from it), or
+    "unknown" outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                                text=True, timeout=10)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    if commit.returncode != 0:
+        return "unknown"
+    return commit.stdout.strip() + (" + changes" if changed.stdout.strip() else "")
+
+
+def record_command(out: str, argv: list[str]) -> None:
+    """One line per invocation in DIR/logs/sweep.log: when, which code, which command (the
+    provenance of a table made from DIR)."""
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(os.path.join(out, "logs", "sweep.log"), "a") as fh:
+        fh.write(f"{when} commit {code_version()}: python -m fedddp.sweep {shlex.join(argv)}\n")
+
+
+def _load_submit():
+    """launch/submit.py (a script beside the package, not part of it): its executor and its
+    requeueing Trainer task."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "submit.py")
+    if not os.path.exists(path):
+        raise ConfigError(f"--slurm: needs launch/submit.py from the fedddp repository ({path} not found)")
+    spec = importlib.util.spec_from_file_location("fedddp_launch_submit", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_slurm(submit, slurm_args, base: str, points: list[Point], ranks: int) -> list:
+    """One submitit job array, a task per pending combination; returns the jobs."""
+    if slurm_args.tasks_per_node is None and ranks > 1:
+        slurm_args.tasks_per_node = ranks
+    executor = submit.make_executor(slurm_args)
+    todo = [p for p in points if p.status != "done"]
+    with executor.batch():
+        jobs = [executor.submit(submit.Trainer(run_argv(base, p))) for p in todo]
+    for point, job in zip(todo, jobs):
+        print(f"submitted {job.job_id}: {point.name}")
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedddp.sweep", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("config", help="experiment TOML, optionally with a [sweep] table")
+    parser.add_argument("axes", nargs="*", help="key=v1,v2 (section.key; a+b=x+y,z+w varies keys together)")
+    parser.add_argument("--out", default=None, help="folder of the sweep's runs (default: the config's run.out_dir)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override of every run, not part of the folder names (e.g. run.device=cpu)")
+    parser.add_argument("--dry-run", action="store_true", help="list the combinations and what would be done")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks per run; > 1 starts each through torchrun")
+    parser.add_argument("--slurm", action="store_true",
+                        help="submit one submitit job array; other flags go to launch/submit.py")
+    args, rest = parser.parse_known_intermixed_args(argv)
+    try:
+        if rest and not args.slurm:
+            raise ConfigError(f"unknown flag(s) {' '.join(rest)} (launch/submit.py flags need --slurm)")
+        submit = slurm_args = None
+        if args.slurm:
+            submit = _load_submit()
+            # axes written after a launcher flag land among the launcher's positionals
+            slurm_args = submit.parse_args([args.config] + rest)
+            args.axes += slurm_args.overrides
+        if args.parallel < 1 or args.ranks < 1:
+            raise ConfigError("--parallel and --ranks: must be >= 1")
+        out, raw, points = plan(args.config, args.axes, args.out, args.set)
+        if args.dry_run:
+            for point in points:
+                print(f"{point.status:7s} {point.out_dir}  {' '.join(point.overrides)}")
+            pending = sum(p.status != "done" for p in points)
+            print(f"fedddp.sweep: {len(points)} combination(s), {pending} to run, "
+                  f"{len(points) - pending} done (dry run: nothing started)")
+            return 0
+        base = os.path.join(out, "base.toml")
+        write_base(raw, base, args.config)
+        record_command(out, argv if argv is not None else sys.argv[1:])
+        if args.slurm:
+            run_slurm(submit, slurm_args, base, points, args.ranks)
+            return 0
+        return run_local(base, out, points, args.parallel, args.ranks)
+    except UserError as exc:
+        print(f"fedddp.sweep: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("fedddp.sweep: interrupted; rerun the same command to continue", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""fedddp.summary groups runs by the keys that differ (seeds left out) and gives mean +- sample
+std (n); fedddp.plot --group-by draws the same groups. Runs are written by hand here (config.toml
+as the runtime writes it, metrics.jsonl rows), so the statistics are checked against known numbers."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from fedddp import config, summary
+from fedrun import REPO
+
+
+def fake_run(folder, accuracies, finished=True, eval_every=1, **keys):
+    """A run folder whose test_accuracy at round r is accuracies[r - 1] (None: not evaluated)."""
+    cfg = config.Config()
+    for dotted, value in keys.items():
+        section, key = dotted.split("__")
+        setattr(getattr(cfg, section), key, value)
+    cfg.run.out_dir = str(folder)
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.toml"), "w") as fh:
+        fh.write(config.dumps(cfg))
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as fh:
+        for r, acc in enumerate(accuracies, 1):
+            fh.write(json.dumps({"round": r, "train_loss": 1.0 / r, "test_loss": None if acc is None else 1 - acc,
+                                 "test_accuracy": acc}) + "\n")
+    if finished:
+        open(os.path.join(folder, "final.pt"), "wb").close()
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """2 algorithms x 3 run seeds, plus a data seed and a progress flag that must not split groups."""
+    root = tmp_path / "sweep"
+    table = {"fedavg": [[0.5, 0.60], [0.5, 0.62], [0.5, 0.64]],
+             "fedmom": [[0.4, 0.70], [0.6, 0.71], [0.5, 0.75]]}
+    for name, per_seed in table.items():
+        for seed, accs in zip((0, 13, 42), per_seed):
+            fake_run(root / f"name={name},seed={seed}", accs, algorithm__name=name, run__seed=seed,
+                     data__seed=seed % 2, run__progress=seed == 0)
+    return root, table
+
+
+def test_groups_by_the_differing_keys_and_gives_mean_and_sample_std(sweep):
+    root, table = sweep
+    runs = summary.usable(summary.find_runs([str(root)]), ["test_accuracy"], print)
+    keys = summary.differing_keys(runs)
+    assert keys == ["algorithm.name"]  # not run.seed, data.seed or run.progress
+    rows = summary.summarise(runs, ["test_accuracy"], "last", keys)
+    assert [r["algorithm.name"] for r in rows] == ["fedavg", "fedmom"]
+    for row in rows:
+        last = [accs[-1] for accs in table[row["algorithm.name"]]]
+        mean, std, n = row["test_accuracy"]
+        assert n == 3
+        assert mean == pytest.approx(statistics.mean(last)) and std == pytest.approx(statistics.stdev(last))
+    best = summary.summarise(runs, ["test_loss"], "best", keys)  # a loss: best is the lowest
+    assert best[1]["test_loss"][0] == pytest.approx(statistics.mean([0.30, 0.29, 0.25]))
+    mean_last_2 = summary.summarise(runs, ["test_accuracy"], "mean-last-2", keys)
+    assert mean_last_2[0]["test_accuracy"][0] == pytest.approx(statistics.mean([0.55, 0.56, 0.57]))
+    round_2 = summary.summarise(runs, ["test_accuracy"], "rounds-2-5", keys)  # rounds past the end: none
+    assert round_2[1]["test_accuracy"][0] == pytest.approx(statistics.mean([0.70, 0.71, 0.75]))
+    assert summary.usable(runs, ["test_accuracy"], print, "rounds-3-4") == []
+
+
+def test_cli_tables_skip_unfinished_and_metricless_runs(sweep, tmp_path):
+    root, _ = sweep
+    fake_run(root / "unfinished", [0.1], finished=False, algorithm__name="fedavg")
+    fake_run(root / "never_evaluated", [None, None], algorithm__name="fedavg")
+    proc = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "algorithm.name"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "| algorithm.name | test_accuracy (last) |"
+    assert lines[2] == "| fedavg | 0.6200 ± 0.0200 (3) |"
+    assert "unfinished (no final.pt)" in proc.stderr and "never_evaluated: no values of test_accuracy" in proc.stderr
+    csv_out = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--format", "csv",
+                              "--metric", "test_accuracy,test_loss"], capture_output=True, text=True, cwd=REPO)
+    header, first = csv_out.stdout.splitlines()[:2]
+    assert header == "algorithm.name,test_accuracy_mean,test_accuracy_std,test_accuracy_n,test_loss_mean," \
+                     "test_loss_std,test_loss_n"
+    assert first.startswith("fedavg,0.62") and first.endswith(",3")
+    by_name = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "name"],
+                             capture_output=True, text=True, cwd=REPO)  # only algorithm.name varies
+    assert by_name.stdout == proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "seed"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "'seed' matches run.seed, data.seed" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_plot_group_curve_is_mean_and_std_over_rounds_all_runs_have(tmp_path):
+    from fedddp import plot
+    fake_run(tmp_path / "a", [0.1, None, 0.3, 0.4], algorithm__name="fedavg", run__seed=0)
+    fake_run(tmp_path / "b", [0.3, None, 0.5], finished=False, algorithm__name="fedavg", run__seed=1)
+    fake_run(tmp_path / "c", [0.9, 0.9, 0.9], algorithm__name="fedmom", run__seed=0)
+    fake_run(tmp_path / "d", [None], algorithm__name="fedmom", run__seed=1)
+    skipped = []
+    lines = plot.curves(summary.find_runs([str(tmp_path)]), "test_accuracy", "auto", skipped.append)
+    assert len(skipped) == 1 and "d: no values of test_accuracy" in skipped[0]
+    (label_a, rounds_a, mean_a, std_a), (label_c, rounds_c, mean_c, std_c) = lines
+    assert label_a == "name=fedavg (n=2)" and rounds_a == [1, 3]
+    assert mean_a == pytest.approx([0.2, 0.4]) and std_a == pytest.approx([statistics.stdev([0.1, 0.3])] * 2)
+    assert label_c == "name=fedmom (n=1)" and std_c == [0.0, 0.0, 0.0]
+
+
+def test_plot_cli_groups_and_skips_a_run_without_the_metric(tmp_path):
+    pytest.importorskip("matplotlib")
+    fake_run(tmp_path / "runs" / "a", [0.1, 0.2], algorithm__name="fedavg", run__seed=0)
+    fake_run(tmp_path / "runs" / "b", [0.2, 0.3], algorithm__name="fedavg", run__seed=1)
+    fake_run(tmp_path / "runs" / "c", [None, None], algorithm__name="fedmom")
+    out = tmp_path / "g.png"
+    proc = subprocess.run([sys.executable, "-m", "fedddp.plot", str(tmp_path / "runs"), "--group-by",
+                           "algorithm.name", "--out", str(out)], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert proc.stderr.count("skipped") == 1 and "c: no values of test_accuracy" in proc.stderr

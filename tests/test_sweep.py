@@ -1,0 +1,159 @@
+"""fedddp.sweep: axes from the [sweep] table and the command line, one folder per combination named
+by its values; a rerun skips finished runs, resumes unfinished ones and refuses a folder that holds
+a run with other settings; --ranks runs through torchrun; --slurm submits a job array."""
+
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fedddp import config, sweep
+from fedddp.errors import ConfigError
+from fedrun import REPO, assert_same_state, final_state, metrics, run_fedddp
+
+SWEEP_FILE = """
+[run]
+rounds = 3
+clients_per_round = 2
+eval_every = 1
+ckpt_every = 1
+progress = false
+
+[data]
+num_clients = 8
+
+[sweep]
+run.seed = [0, 1, 2]
+"""
+
+
+def write_sweep(tmp_path, text=SWEEP_FILE):
+    path = tmp_path / "sweep.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_axes_from_file_and_command_line_expand_to_named_folders(tmp_path):
+    path = write_sweep(tmp_path, SWEEP_FILE + '"data.partition+data.dirichlet_alpha" = [["iid", 0.3], '
+                                              '["dirichlet", 0.7]]\nalgorithm.name = ["fedavg"]\n')
+    raw, file_axes = sweep.read_sweep_file(path)
+    assert "sweep" not in raw and raw["run"]["rounds"] == 3
+    axes = sweep.merge_axes(file_axes, sweep.cli_axes(["algorithm.name=fedavg,fedmom", "data.seed=0,1"]))
+    points = sweep.expand(axes, "out")
+    assert len(points) == 3 * 2 * 2 * 2
+    # the first axis varies slowest; the command line replaced the file's algorithm.name axis
+    assert points[0].name == "run.seed=0,partition=iid,dirichlet_alpha=0.3,name=fedavg,data.seed=0"
+    assert points[1].overrides == ["run.seed=0", "data.partition=iid", "data.dirichlet_alpha=0.3",
+                                   "algorithm.name=fedavg", "data.seed=1"]
+    assert points[-1].out_dir == os.path.join("out", "run.seed=2,partition=dirichlet,dirichlet_alpha=0.7,"
+                                                     "name=fedmom,data.seed=1")
+    assert len({p.name for p in points}) == len(points)
+    with pytest.raises(ConfigError, match="run.out_dir: set by the sweep"):
+        sweep.cli_axes(["run.out_dir=a,b"])
+    with pytest.raises(ConfigError, match="run.seed: varied by two axes"):
+        sweep.merge_axes([], sweep.cli_axes(["run.seed=0,1", "run.seed+data.seed=0+0"]))
+    with pytest.raises(ConfigError, match="each value is a list of 2"):
+        sweep.axis_from("data.partition+data.dirichlet_alpha", ["iid"], "sweep.")
+
+
+def test_a_sweep_file_run_directly_says_how_to_run_it(tmp_path):
+    with pytest.raises(ConfigError, match="python -m fedddp.sweep"):
+        config.load(write_sweep(tmp_path))
+
+
+def test_bad_combination_is_one_line_naming_it_and_the_file(tmp_path):
+    path = write_sweep(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "fedddp.sweep", path, "run.rounds=2,0", "--dry-run",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "combination seed=0,rounds=0" in proc.stderr and path in proc.stderr
+    assert "run.rounds: must be > 0" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_gpu_slots_are_disjoint(monkeypatch):
+    point = sweep.Point("a", [], "out", cfg=config.load(None, ["run.device=cuda"]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert sweep.gpu_slots([point], 2, 2) == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    assert sweep.gpu_slots([point], 4, 1)[3] == {"CUDA_VISIBLE_DEVICES": "7"}
+    with pytest.raises(ConfigError, match="needs 6 GPUs, 4 visible"):
+        sweep.gpu_slots([point], 3, 2)
+    assert sweep.launcher(2)[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+
+
+def run_sweep(*args):
+    return subprocess.run([sys.executable, "-m", "fedddp.sweep", *args], capture_output=True, text=True,
+                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.slow
+def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_path):
+    path, out = write_sweep(tmp_path), tmp_path / "out"
+    first = run_sweep(path, "run.seed=0", "--out", str(out))  # the command line narrows the axis
+    assert first.returncode == 0, first.stderr
+    finished = out / "seed=0" / "final.pt"
+    stamp = finished.stat().st_mtime_ns
+    # seed 1 stopped after round 1 with a checkpoint: unfinished
+    run_fedddp([f"run.out_dir={out / 'seed=1'}", "run.seed=1", "run.stop_after=1"], config=str(out / "base.toml"))
+    assert not (out / "seed=1" / "final.pt").exists()
+
+    listing = run_sweep(path, "--out", str(out), "--dry-run")
+    assert listing.returncode == 0, listing.stderr
+    assert [line.split()[0] for line in listing.stdout.splitlines()[:3]] == ["done", "resume", "new"]
+
+    second = run_sweep(path, "--out", str(out), "--parallel", "2")
+    assert second.returncode == 0, second.stderr
+    assert finished.stat().st_mtime_ns == stamp  # skipped, not rerun
+    assert "seed=0" not in second.stdout
+    assert "run.resume=true" in (out / "logs" / "seed=1.log").read_text().splitlines()[0]  # its command
+    assert "run.resume=true" not in (out / "logs" / "seed=2.log").read_text()
+    invocations = (out / "logs" / "sweep.log").read_text().splitlines()
+    assert len(invocations) == 2 and " commit " in invocations[1]
+    assert invocations[1].endswith(f"python -m fedddp.sweep {path} --out {out} --parallel 2")
+    for seed in (1, 2):
+        assert (out / f"seed={seed}" / "final.pt").exists()
+        assert [row["round"] for row in metrics(out / f"seed={seed}")] == [1, 2, 3]
+
+    # --ranks 2: through torchrun, and bitwise the run of one rank
+    ranked = run_sweep(path, "run.seed=0", "--ranks", "2", "--out", str(tmp_path / "ranked"))
+    assert ranked.returncode == 0, ranked.stderr
+    assert "--nproc_per_node=2" in (tmp_path / "ranked" / "logs" / "seed=0.log").read_text()
+    assert_same_state(final_state(tmp_path / "ranked" / "seed=0"), final_state(out / "seed=0"))
+
+    (tmp_path / "sweep.toml").write_text(SWEEP_FILE.replace("num_clients = 8", "num_clients = 9"))
+    refused = run_sweep(path, "--out", str(out), "--dry-run")
+    assert refused.returncode == 2 and "holds a run with other settings (data.num_clients: 8 there, 9 here)" \
+        in refused.stderr
+
+
+@pytest.mark.slow
+def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch):
+    """One single-rank task per combination. Also guards a crash of a one-rank distributed run
+    (a submitit task or torchrun --nproc_per_node=1): rank 0 gathered into a buffer it never made."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the LocalExecutor copies this environment
+    path, out = write_sweep(tmp_path), tmp_path / "out"
+    # the axis after a launcher flag still narrows the sweep (argparse hands it to the launcher's parser)
+    assert sweep.main([path, "--out", str(out), "--slurm", "--local", "--gpus-per-node", "0", "--time", "10",
+                       "run.seed=0,1", "--output", str(tmp_path / "submitit" / "%j")]) == 0
+    deadline = time.monotonic() + 300
+    while not all((out / f"seed={s}" / "final.pt").exists() for s in (0, 1)):
+        errors = "".join(p.read_text() for p in (tmp_path / "submitit").rglob("*.err"))
+        assert "Traceback" not in errors, errors[-3000:]
+        assert time.monotonic() < deadline, errors[-3000:]
+        time.sleep(1)
+    assert [row["round"] for row in metrics(out / "seed=1")] == [1, 2, 3]
+    assert sorted(os.listdir(out)) == ["base.toml", "seed=0", "seed=1"]
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "sweeps", "*.toml"))),
+                         ids=os.path.basename)
+def test_paper_sweep_files_are_headed_and_every_combination_is_valid(path, tmp_path):
+    with open(path) as fh:
+        header = [line for line in fh if line.startswith("#")]
+    for field in ("# Paper:", "# Hardware:", "python -m fedddp.sweep " + os.path.relpath(path, REPO)):
+        assert any(field in line for line in header), f"{path}: header lacks {field!r}"
+    assert any(line.startswith(("# Table:", "# Figure:")) for line in header)
+    _, _, points = sweep.plan(path, [], str(tmp_path))
+    assert len(points) > 1 and all(p.status == "new" for p in points)
