@@ -2,10 +2,16 @@
 
   python -m fedddp configs/quickstart.toml [section.key=value ...]            one process
   torchrun --standalone --nproc_per_node=4 -m fedddp configs/quickstart.toml  four ranks
+  python -m fedddp --check configs/quickstart.toml [section.key=value ...]    check, run nothing
   python -m fedddp --help                                                     every config key
 
-Exit status: 0 done; 2 bad configuration; 3 data missing or unreadable. A user's mistake is
-one line on stderr, never a traceback.
+--check reads the config and builds every client's data in this one process (what all ranks
+together would load), then says OK or exits with the status the run would: the launchers run it
+before they start any rank.
+
+Exit status: 0 done; 2 bad configuration; 3 data missing, unreadable or not finite; 5 a rank
+stopped answering for run.collective_timeout_s. A user's mistake is one line on stderr, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -29,22 +35,36 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip() + "\n\nConfig keys (TOML tables; override as section.key=value):\n"
               + config.describe())
         return 0 if argv else 2
+    check = argv[0] == "--check"
+    if check:
+        argv = argv[1:]
+        if not argv:
+            print("fedddp: error: --check needs a config file or overrides", file=sys.stderr)
+            return 2
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     comm, rank = None, 0
     try:
+        if check:
+            return _check(path, overrides)
         proc = env.resolve()
         rank = proc.rank
         cfg = config.load(path, overrides)
         from .comm import Comm
         from .round import run
-        comm = Comm(proc, cfg.run.device)
-        _resume_after_torchrun_restart(cfg, comm)
-        run(cfg, comm)
+        comm = Comm(proc, cfg.run.device, cfg.run.collective_timeout_s)
+        try:
+            _resume_after_torchrun_restart(cfg, comm)
+            run(cfg, comm)
+        except RuntimeError:  # a collective that failed: a peer that stalled is named, not a traceback
+            comm.explain_failure()
+            raise
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
         # rank's own (its clients' files), so each rank that has one says it.
         if rank == 0 or isinstance(exc, DataError):
-            print(f"fedddp: error: {exc}", file=sys.stderr)
+            line = f"fedddp: error: {exc}"
+            print(line, file=sys.stderr)
+            env.write_status(exc.exit_code, line, rank)
         return exc.exit_code
     except KeyboardInterrupt:
         print("fedddp: interrupted", file=sys.stderr)
@@ -52,6 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if comm is not None:
             comm.close()
+    return 0
+
+
+def _check(path: str | None, overrides: list[str]) -> int:
+    """The config, then every client's data, in this process: a mistake raises the UserError
+    the run would have raised."""
+    cfg = config.load(path, overrides)
+    from .data import build
+
+    data = build(cfg, cfg.run.seed, list(range(cfg.data.num_clients)))
+    print(f"fedddp: {path or 'config'}: configuration and data OK ({cfg.data.name}: "
+          f"{cfg.data.num_clients} clients, {sum(data.num_samples)} training samples)", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,66 @@
+"""Failures that end a run in one line with a documented status: a torchrun world of one,
+a rank that stops answering, and ``python -m fedddp --check`` (what the launchers run first)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from fedddp.comm import STALLED_EXIT
+from fedrun import QUICKSTART, REPO, SLOW, assert_same_state, final_state, free_port, run_fedddp, wait_for_rounds
+
+ARGS = ["run.rounds=3", "run.eval_every=3", "run.progress=false"]
+
+
+def test_torchrun_world_of_one_matches_the_single_process_run(tmp_path):
+    """torchrun --nproc_per_node=1 is distributed with a world of 1: Comm.gather_rows had no
+    gather buffer there and crashed ('NoneType' object has no attribute 'chunk')."""
+    single, one = tmp_path / "single", tmp_path / "torchrun1"
+    run_fedddp(ARGS + [f"run.out_dir={single}"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           "-m", "fedddp", QUICKSTART, *ARGS, f"run.out_dir={one}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_same_state(final_state(single), final_state(one))
+
+
+def start_ranks(tmp_path, args, world=2):
+    """``world`` ranks of one run started by hand (torchrun's variables, no agent), so a test
+    can stop one and see what the others do without torchrun tearing the group down."""
+    port, procs = free_port(), []
+    for rank in range(world):
+        log = open(tmp_path / f"rank{rank}.log", "w+")
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append((subprocess.Popen([sys.executable, "-m", "fedddp", QUICKSTART, "run.progress=false", *args],
+                                       stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log))
+    return procs
+
+
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_stopped_rank_is_named_and_ends_the_run(tmp_path, stopped):
+    """A SIGSTOPped rank used to hang the others silently for the fixed 30-minute collective
+    timeout. With run.collective_timeout_s the live rank ends the run with one line naming the
+    stopped rank (rank 0 too, whose process hosts the rendezvous store), exit STALLED_EXIT."""
+    out = tmp_path / "out"
+    procs = start_ranks(tmp_path, SLOW + ["run.collective_timeout_s=2", f"run.out_dir={out}"])
+    live = 1 - stopped
+    try:
+        wait_for_rounds(out, 1, procs[0][0], procs[0][1])
+        os.kill(procs[stopped][0].pid, signal.SIGSTOP)
+        status = procs[live][0].wait(timeout=120)
+        procs[live][1].seek(0)
+        text = procs[live][1].read()
+        assert status == STALLED_EXIT, text[-4000:]
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        assert lines == [f"fedddp: error: rank {stopped} stopped answering for more than 2 s "
+                         "(run.collective_timeout_s); it may be stopped (SIGSTOP), swapping or hung; the run "
+                         "ends here, resume it from its last checkpoint with run.resume=true"], text[-4000:]
+    finally:
+        for proc, log in procs:
+            proc.kill()
+            proc.wait()
+            log.close()
