@@ -75,15 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check(path: str | None, overrides: list[str]) -> int:
-    """The config, then every client's data, in this process: a mistake raises the UserError
-    the run would have raised."""
+def check(path: str | None, overrides: list[str], data: bool = True) -> config.Config:
+    """The config, then (with ``data``) every client's data, in this process: a mistake raises
+    the UserError the run would have raised. The launchers call this before any rank starts."""
     cfg = config.load(path, overrides)
-    from .data import build
+    if data:
+        from .data import build
 
-    data = build(cfg, cfg.run.seed, list(range(cfg.data.num_clients)))
-    print(f"fedddp: {path or 'config'}: configuration and data OK ({cfg.data.name}: "
-          f"{cfg.data.num_clients} clients, {sum(data.num_samples)} training samples)", file=sys.stderr)
+        build(cfg, cfg.run.seed, list(range(cfg.data.num_clients)))
+    return cfg
+
+
+def _check(path: str | None, overrides: list[str]) -> int:
+    cfg = check(path, overrides)
+    print(f"fedddp: {path or 'config'}: configuration and data OK ({cfg.data.name}, "
+          f"{cfg.data.num_clients} clients)", file=sys.stderr)
     return 0
 
 
