@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
             print("fedddp: error: --check needs a config file or overrides", file=sys.stderr)
             return 2
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    comm, rank = None, 0
+    comm, rank, world_size = None, 0, 1
     try:
         if check:
             return _check(path, overrides)
         proc = env.resolve()
-        rank = proc.rank
+        rank, world_size = proc.rank, proc.world_size
         cfg = config.load(path, overrides)
         from .comm import Comm
         from .round import run
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or isinstance(exc, DataError):
             line = f"fedddp: error: {exc}"
             print(line, file=sys.stderr)
-            env.write_status(exc.exit_code, line, rank)
+            # The rank whose own data failed says what; rank 0's relay of it comes after.
+            relayed = "another rank" in str(exc)
+            env.write_status(exc.exit_code, line, rank + (world_size if relayed else 0))
         return exc.exit_code
     except KeyboardInterrupt:
         print("fedddp: interrupted", file=sys.stderr)

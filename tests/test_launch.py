@@ -372,3 +372,21 @@ def test_local_wrapper_starts_two_ranks_without_gpus(tmp_path, reference):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert sorted(os.listdir(out / "checkpoints" / "round_000004"))[:2] == ["clients_rank0.pt", "clients_rank1.pt"]
     assert_same_state(final_state(reference), final_state(out))
+
+
+def test_local_wrapper_names_the_rank_whose_data_failed(tmp_path):
+    """Only rank 1's client has a NaN pixel: rank 1 names the file, rank 0 only relays that
+    another rank failed. The wrapper ends with rank 1's line, not the relay."""
+    import json
+    from test_data_femnist import write_leaf
+
+    write_leaf(tmp_path / "data")
+    path = tmp_path / "data" / "FEMNIST" / "train" / "all_data_0_niid_0_keep_0_train_9.json"
+    blob = json.loads(path.read_text())
+    blob["user_data"]["f0004_11"]["x"][0][7] = float("nan")  # client 1: rank 1's of 2
+    path.write_text(json.dumps(blob))
+    proc = local_sh(["data.name=femnist", "data.partition=natural", "data.num_clients=5", "run.clients_per_round=2",
+                     f"data.root={tmp_path / 'data'}", f"run.out_dir={tmp_path / 'out'}"], CHECK="0")
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"fedddp: error: {path}: writer f0004_11's image 0 has non-finite pixels"), proc.stderr[-4000:]
