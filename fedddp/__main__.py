@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _resume_after_torchrun_restart(cfg, comm)
             run(cfg, comm)
-        except RuntimeError:  # a collective that failed: a peer that stalled is named, not a traceback
-            comm.explain_failure()
+        except RuntimeError as exc:  # a collective timed out: a peer that stalled is named, not a traceback
+            comm.explain_failure(exc)
             raise
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one

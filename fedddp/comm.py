@@ -90,10 +90,12 @@ class Comm:
             else:
                 dist.barrier()
 
-    def explain_failure(self) -> None:
-        """After a collective raised: if a peer stalled, let the heartbeat name it (it ends the
-        process); a peer that stopped mid-collective is named within one more timeout."""
-        if self.heartbeat is not None:
+    def explain_failure(self, error: Exception) -> None:
+        """After a collective raised a timeout: if a peer stalled, let the heartbeat name it (it
+        ends the process); a peer that stopped mid-collective is named within one more timeout.
+        A peer that died instead closes its connections, which is not a timeout: that error is
+        left as it is (torchrun or srun tear the group down, or restart it)."""
+        if self.heartbeat is not None and "timed out" in str(error).lower():
             self.heartbeat.wait_for_verdict()
 
     def close(self) -> None:
