@@ -54,7 +54,11 @@ class Trainer(submitit.helpers.Checkpointable):
         var = fedddp_env.STATUS_FILE_VAR
         with tempfile.TemporaryDirectory() as folder:
             own = var not in os.environ
-            path = os.environ.setdefault(var, os.path.join(folder, "status"))
+            # In a job, the job's folder, where submit.py --wait finds it even after a task that
+            # ended without returning (a rank that finds another stalled exits at once).
+            job = submitit.JobEnvironment() if os.environ.get("SUBMITIT_EXECUTOR") else None
+            path = os.environ.setdefault(var, status_path(job.paths.folder, job.job_id) if job
+                                         else os.path.join(folder, "status"))
             try:
                 status = main(self.argv)
             finally:
@@ -73,14 +77,27 @@ class Trainer(submitit.helpers.Checkpointable):
         return submitit.helpers.DelayedSubmission(Trainer(argv))
 
 
-def _status_line(path: str) -> str:
-    """fedddp's line from a status file (``STATUS<TAB>RANK<TAB>LINE`` records), lowest rank first."""
+def status_path(folder, job_id: str) -> str:
+    return os.path.join(str(folder), f"{job_id}_status.tsv")
+
+
+def _status(path: str) -> tuple[int, str] | None:
+    """(status, fedddp's line) from a status file (``STATUS<TAB>ORDER<TAB>LINE`` records, the
+    lowest order first), or None without one."""
     try:
         with open(path) as fh:
             records = [line.rstrip("\n").split("\t", 2) for line in fh if line.count("\t") >= 2]
     except OSError:
-        return ""
-    return min(records, key=lambda r: int(r[1]))[2] if records else ""
+        return None
+    if not records:
+        return None
+    code, _, line = min(records, key=lambda r: int(r[1]))
+    return int(code), line
+
+
+def _status_line(path: str) -> str:
+    found = _status(path)
+    return found[1] if found else ""
 
 
 def rendezvous_env(job: submitit.JobEnvironment, environ=os.environ) -> dict[str, str]:
@@ -214,15 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             job.results()
         except Exception as exc:  # submitit re-raises the task's failure with its log
-            found = FAILED.search(str(exc))
-            if found is not None:
-                print(found.group(2), file=sys.stderr)
-                return int(found.group(1))
-            # A task that ended without returning (a rank that found another stalled exits at
-            # once): its last fedddp line, if it left one.
-            lines = [ln for ln in (job.stderr() or "").splitlines() if ln.startswith("fedddp: error: ")]
-            print(lines[-1] if lines else f"job {job.job_id} failed: {exc}", file=sys.stderr)
-            return 1
+            found = _status(status_path(job.paths.folder, job.job_id))
+            if found is None and (match := FAILED.search(str(exc))) is not None:
+                found = int(match.group(1)), match.group(2)
+            if found is None:
+                print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
+                return 1
+            print(found[1], file=sys.stderr)
+            return found[0]
         print(f"job {job.job_id} done")
     return 0
 
