@@ -141,9 +141,11 @@ class Heartbeat:
 
     def _judge(self) -> None:
         """Ends the process if a rank (or the store) has been silent for longer than the timeout;
-        the store may also vanish for a moment at the end of a run, hence the same patience."""
+        the store may also vanish for a moment at the end of a run, hence the same patience.
+        Counters are judged as of the store's last answer: without the store no rank is seen, and
+        only the store's host is to blame."""
         now = time.monotonic()
-        stalled = [r for r, when in self.moved.items() if now - when > self.timeout_s]
+        stalled = [r for r, when in self.moved.items() if self.store_ok - when > self.timeout_s]
         if not stalled and now - self.store_ok > self.timeout_s:
             stalled = [0]
         if stalled and not self._stop.is_set():
