@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
-        # rank's own (its clients' files), so each rank that has one says it.
-        if rank == 0 or isinstance(exc, DataError):
+        # rank's own (its clients' files), so each rank that has one says it; so does a rank
+        # whose peers did not all arrive (exit 5, fedddp.comm.StalledError).
+        if rank == 0 or isinstance(exc, DataError) or exc.exit_code == 5:
             line = f"fedddp: error: {exc}"
             print(line, file=sys.stderr)
             # The rank whose own data failed says what; rank 0's relay of it comes after.

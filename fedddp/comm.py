@@ -25,9 +25,15 @@ import torch
 import torch.distributed as dist
 
 from .env import ProcessEnv, write_status
-from .errors import ConfigError
+from .errors import ConfigError, UserError
 
 STALLED_EXIT = 5  # exit status of the live ranks when a rank stopped answering
+
+
+class StalledError(UserError):
+    """The ranks did not all meet within run.collective_timeout_s. Exit status 5."""
+
+    exit_code = STALLED_EXIT
 
 
 class Comm:
@@ -47,11 +53,20 @@ class Comm:
         self.backend = "nccl" if device == "cuda" else "gloo"
         self.distributed = env.source != "single"
         if self.distributed and not dist.is_initialized():
-            dist.init_process_group(
-                self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                rank=env.rank, world_size=env.world_size,
-                device_id=self.device if device == "cuda" else None,
-                timeout=datetime.timedelta(seconds=timeout_s))
+            try:
+                dist.init_process_group(
+                    self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                    rank=env.rank, world_size=env.world_size,
+                    device_id=self.device if device == "cuda" else None,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+                reason = str(exc).splitlines()[0].split("[", 1)[0].strip()
+                raise StalledError(
+                    f"rank {env.rank}: the {env.world_size} ranks did not all meet at {env.master_addr}:"
+                    f"{env.master_port} within {timeout_s:g} s (run.collective_timeout_s): {reason}; start "
+                    f"every rank, with the same MASTER_ADDR and MASTER_PORT") from None
         self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
                                    timeout_s) if self.distributed and self.world_size > 1 else None
 

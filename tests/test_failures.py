@@ -81,3 +81,16 @@ def test_check_mode_loads_config_and_data_and_writes_nothing(tmp_path):
                            "data.partition=natural", f"data.root={tmp_path}"], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and "FEMNIST not found" in proc.stderr
+
+
+def test_a_rank_that_never_arrives_is_one_line_exit_5(tmp_path):
+    """Rank 0 of two started alone used to wait the fixed 30 minutes and end in a DistStoreError
+    traceback; it now waits run.collective_timeout_s and says so in one line."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "fedddp", QUICKSTART, "run.collective_timeout_s=2",
+                           f"run.out_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+    assert proc.returncode == STALLED_EXIT, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedddp: error: rank 0: the 2 ranks did not all meet at "), lines
+    assert "within 2 s (run.collective_timeout_s): Timed out after" in lines[0] and "1/2 clients joined" in lines[0]
