@@ -2,10 +2,16 @@
 
   python -m fedddp configs/quickstart.toml [section.key=value ...]            one process
   torchrun --standalone --nproc_per_node=4 -m fedddp configs/quickstart.toml  four ranks
+  python -m fedddp --check configs/quickstart.toml [section.key=value ...]    check, run nothing
   python -m fedddp --help                                                     every config key
 
-Exit status: 0 done; 2 bad configuration; 3 data missing or unreadable. A user's mistake is
-one line on stderr, never a traceback.
+--check reads the config and builds every client's data in this one process (what all ranks
+together would load), then says OK or exits with the status the run would: the launchers run it
+before they start any rank.
+
+Exit status: 0 done; 2 bad configuration; 3 data missing, unreadable or not finite; 4 the model
+diverged; 5 disk full; 6 a rank stopped answering for run.collective_timeout_s (README.md). A user's mistake is one line on stderr, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import sys
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from . import config, env
-from .errors import DataError, UserError
+from .errors import DataError, StalledError, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,22 +35,39 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip() + "\n\nConfig keys (TOML tables; override as section.key=value):\n"
               + config.describe())
         return 0 if argv else 2
+    check = argv[0] == "--check"
+    if check:
+        argv = argv[1:]
+        if not argv:
+            print("fedddp: error: --check needs a config file or overrides", file=sys.stderr)
+            return 2
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    comm, rank = None, 0
+    comm, rank, world_size = None, 0, 1
     try:
+        if check:
+            return _check(path, overrides)
         proc = env.resolve()
-        rank = proc.rank
+        rank, world_size = proc.rank, proc.world_size
         cfg = config.load(path, overrides)
         from .comm import Comm
         from .round import run
-        comm = Comm(proc, cfg.run.device)
-        _resume_after_torchrun_restart(cfg, comm)
-        run(cfg, comm)
+        comm = Comm(proc, cfg.run.device, cfg.run.collective_timeout_s)
+        try:
+            _resume_after_torchrun_restart(cfg, comm)
+            run(cfg, comm)
+        except RuntimeError as exc:  # a collective timed out: a peer that stalled is named, not a traceback
+            comm.explain_failure(exc)
+            raise
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
-        # rank's own (its clients' files), so each rank that has one says it.
-        if rank == 0 or isinstance(exc, DataError):
-            print(f"fedddp: error: {exc}", file=sys.stderr)
+        # rank's own (its clients' files), so each rank that has one says it; so does a rank
+        # whose peers did not all arrive (exit 6, StalledError).
+        if rank == 0 or isinstance(exc, (DataError, StalledError)):
+            line = f"fedddp: error: {exc}"
+            print(line, file=sys.stderr)
+            # The rank whose own data failed says what; rank 0's relay of it comes after.
+            relayed = "another rank" in str(exc)
+            env.write_status(exc.exit_code, line, rank + (world_size if relayed else 0))
         return exc.exit_code
     except KeyboardInterrupt:
         print("fedddp: interrupted", file=sys.stderr)
@@ -52,6 +75,28 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if comm is not None:
             comm.close()
+    return 0
+
+
+def check(path: str | None, overrides: list[str], data: bool = True) -> config.Config:
+    """The config, then (with ``data``) every client's data, in this process: a mistake raises
+    the UserError the run would have raised. The launchers call this before any rank starts."""
+    cfg = config.load(path, overrides)
+    if not cfg.run.resume:
+        from .outdir import refuse_fresh_run
+
+        refuse_fresh_run(cfg.run.out_dir, cfg.run.overwrite)
+    if data:
+        from .data import build
+
+        build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
+    return cfg
+
+
+def _check(path: str | None, overrides: list[str]) -> int:
+    cfg = check(path, overrides)
+    print(f"fedddp: {path or 'config'}: configuration and data OK ({cfg.data.name}, "
+          f"{cfg.data.num_clients} clients)", file=sys.stderr)
     return 0
 
 

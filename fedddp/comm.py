@@ -4,21 +4,34 @@
 rank then binds ``cuda:LOCAL_RANK``). With one process and no launcher it is a fake twin that
 never touches torch.distributed, so a laptop run needs no rendezvous. Collectives take and return
 tensors on ``comm.device``.
+
+Liveness: a collective waits at most ``run.collective_timeout_s`` for its peers. A rank that stops
+answering (SIGSTOP, swapped out, a hung driver) would otherwise make every other rank wait out
+that timeout and end in a backend traceback that names no one, so each rank runs a heartbeat
+thread (``Heartbeat``): it counts up its own key in the process group's store and watches the
+others' counters; a counter that has not moved for the timeout names the rank that stalled, and
+the lowest live rank says so in one line before every live rank exits with ``STALLED_EXIT``.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
-from .env import ProcessEnv
-from .errors import ConfigError
+from .env import ProcessEnv, write_status
+from .errors import ConfigError, StalledError
+
+STALLED_EXIT = StalledError.exit_code  # exit status of the live ranks when a rank stopped answering
 
 
 class Comm:
-    def __init__(self, env: ProcessEnv, device: str):
+    def __init__(self, env: ProcessEnv, device: str, timeout_s: float = 1800.0):
         self.env = env
         self.rank = env.rank
         self.world_size = env.world_size
@@ -34,11 +47,22 @@ class Comm:
         self.backend = "nccl" if device == "cuda" else "gloo"
         self.distributed = env.source != "single"
         if self.distributed and not dist.is_initialized():
-            dist.init_process_group(
-                self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                rank=env.rank, world_size=env.world_size,
-                device_id=self.device if device == "cuda" else None,
-                timeout=datetime.timedelta(minutes=30))
+            try:
+                dist.init_process_group(
+                    self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                    rank=env.rank, world_size=env.world_size,
+                    device_id=self.device if device == "cuda" else None,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    raise
+                reason = str(exc).splitlines()[0].split("[", 1)[0].strip()
+                raise StalledError(
+                    f"rank {env.rank}: the {env.world_size} ranks did not all meet at {env.master_addr}:"
+                    f"{env.master_port} within {timeout_s:g} s (run.collective_timeout_s): {reason}; start "
+                    f"every rank, with the same MASTER_ADDR and MASTER_PORT") from None
+        self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
+                                   timeout_s) if self.distributed and self.world_size > 1 else None
 
     @property
     def is_main(self) -> bool:
@@ -75,6 +99,94 @@ class Comm:
             else:
                 dist.barrier()
 
+    def explain_failure(self, error: Exception) -> None:
+        """After a collective raised a timeout: if a peer stalled, let the heartbeat name it (it
+        ends the process); a peer that stopped mid-collective is named within one more timeout.
+        A peer that died instead closes its connections, which is not a timeout: that error is
+        left as it is (torchrun or srun tear the group down, or restart it)."""
+        if self.heartbeat is not None and "timed out" in str(error).lower():
+            self.heartbeat.wait_for_verdict()
+
     def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.distributed and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class Heartbeat:
+    """A daemon thread: every ``interval`` seconds it adds 1 to ``fedddp/alive/RANK`` in the
+    store and reads every other rank's counter (``add(key, 0)`` reads without blocking). Its own
+    thread keeps beating while the main thread waits in a collective or trains (torch releases
+    the GIL), so a counter stands still only if its process does. A store that stops answering
+    is rank 0's: the store lives in rank 0's process (or in its node's torchrun agent)."""
+
+    def __init__(self, store, rank: int, world_size: int, timeout_s: float):
+        self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.interval = min(5.0, timeout_s / 10)
+        now = time.monotonic()
+        self.moved = {r: now for r in range(world_size) if r != rank}  # rank -> when its counter last moved
+        self.store_ok = now  # when the store last answered
+        self._stop, self._judged = threading.Event(), threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="fedddp-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _key(self, rank: int) -> str:
+        return f"fedddp/alive/{rank}"
+
+    def _run(self) -> None:
+        counts = {r: -1 for r in self.moved}
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(self._key(self.rank), 1)
+                now_counts = {r: self.store.add(self._key(r), 0) for r in counts}
+                self.store_ok = now = time.monotonic()
+            except Exception:  # noqa: BLE001 -- any failure of the store means "not answering"
+                now_counts, now = {}, time.monotonic()
+            for r, count in now_counts.items():
+                if count != counts[r]:
+                    counts[r], self.moved[r] = count, now
+            self._judge()
+
+    def _judge(self) -> None:
+        """Ends the process if a rank (or the store) has been silent for longer than the timeout;
+        the store may also vanish for a moment at the end of a run, hence the same patience.
+        Counters are judged as of the store's last answer: without the store no rank is seen, and
+        only the store's host is to blame."""
+        now = time.monotonic()
+        stalled = [r for r, when in self.moved.items() if self.store_ok - when > self.timeout_s]
+        if not stalled and now - self.store_ok > self.timeout_s:
+            stalled = [0]
+        if stalled and not self._stop.is_set():
+            self._stalled(stalled)
+
+    def _stalled(self, ranks: list[int]) -> None:
+        """Says it once (the lowest live rank), leaves the line for the launcher, and ends this
+        process at once: the main thread may be blocked in a collective that never returns."""
+        if not self._judged.acquire(blocking=False):  # the thread and the main thread may both judge
+            return
+        live = [r for r in range(self.world_size) if r not in ranks]
+        names = ", ".join(map(str, ranks))
+        line = (f"fedddp: error: rank {names} stopped answering for more than {self.timeout_s:g} s "
+                f"(run.collective_timeout_s); it may be stopped (SIGSTOP), swapping or hung; the run "
+                f"ends here, resume it from its last checkpoint with run.resume=true")
+        if live and self.rank == live[0]:
+            print(line, file=sys.stderr, flush=True)
+            write_status(STALLED_EXIT, line, self.rank)
+        os._exit(STALLED_EXIT)
+
+    def wait_for_verdict(self) -> None:
+        """Judges (ending the process on a stall) until every peer has been heard from again,
+        or one more timeout has passed: a peer that stalled before this rank's collective timed
+        out is named by then, and an error of this rank's own (every peer still beating) comes
+        back within a few beats. Judged here as well as in the thread, which may itself be
+        blocked on a store that does not answer."""
+        asked = time.monotonic()
+        while time.monotonic() < asked + self.timeout_s + 3 * self.interval:
+            self._judge()
+            if all(when > asked for when in self.moved.values()):
+                return
+            time.sleep(self.interval / 2)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -9,6 +9,7 @@ impossible combinations are collected with their dotted paths and raised as one 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
@@ -44,6 +45,9 @@ class RunConfig:
                       ("cpu", "cuda"))
     num_threads: int = opt(1, "torch intra-op threads per rank. Pinned so results are bitwise the same "
                               "for any number of ranks; raise it only if you do not need that.")
+    collective_timeout_s: float = opt(1800.0, "Seconds a rank waits for the others in a collective, and "
+                                              "without a heartbeat from one, before the run ends (exit 6, "
+                                              "naming the rank that stopped answering).")
     progress: bool = opt(True, "Show a one-line progress display (round, accuracy, ETA) on rank 0.")
     client_state: str = opt("memory", "Where per-client persistent state (SCAFFOLD's c_k, MOON's previous "
                                       "model, FedSMOO's duals) lives on its owner rank: memory (RAM or the "
@@ -60,7 +64,7 @@ class RunConfig:
 # Every other key, and nothing about the world size, makes up a checkpoint's run identity.
 RESUME_MAY_CHANGE = frozenset({
     "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.stop_after", "run.resume",
-    "run.overwrite", "run.out_dir", "run.client_state", "data.root", "data.download"})
+    "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root", "data.download"})
 
 
 @dataclass
@@ -199,30 +203,52 @@ def _section_types(section_cls) -> dict[str, type]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
-def _coerce(value: Any, typ: type, path: str, errors: list[str]) -> Any:
-    """TOML value (or an override's string) -> the field's type, or an error naming the path."""
-    if isinstance(value, str) and typ is not str:
-        text = value.strip()
+INT_MIN, INT_MAX = -(2 ** 63), 2 ** 63 - 1  # torch and numpy take seeds and sizes as 64-bit integers
+TYPE_NAMES = {int: "int", float: "float", bool: "bool (true or false)", str: "str"}
+
+
+def _coerce(value: Any, typ: type, path: str, errors: list[str], text: bool = False) -> Any:
+    """A TOML value (typed: ``rounds = "3"`` is an error) or, with ``text``, an override's string
+    (parsed: ``run.rounds=3``) -> the field's type; None after appending an error naming the path.
+    Numbers must be finite and integers must fit in 64 bits."""
+    if text and typ is not str:
+        word = value.strip()
         try:
             if typ is bool:
-                if text.lower() not in ("true", "false"):
+                if word.lower() not in ("true", "false"):
                     raise ValueError
-                return text.lower() == "true"
-            return typ(text)
+                value = word.lower() == "true"
+            else:
+                value = typ(word)
         except ValueError:
-            errors.append(f"{path}: expected {typ.__name__}, got {value!r}")
+            errors.append(f"{path}: expected {TYPE_NAMES[typ]}, got {value!r}")
             return None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typ is bool and not isinstance(value, bool) or typ is not bool and isinstance(value, bool) \
-            or not isinstance(value, typ):
-        errors.append(f"{path}: expected {typ.__name__}, got {type(value).__name__} {value!r}")
+    elif typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    elif isinstance(value, bool) != (typ is bool) or not isinstance(value, typ):
+        hint = " (remove the quotes)" if isinstance(value, str) and _parses_as(value, typ) else ""
+        errors.append(f"{path}: expected {TYPE_NAMES[typ]}, got {type(value).__name__} {value!r}{hint}")
+        return None
+    if typ is float and not math.isfinite(value):
+        errors.append(f"{path}: must be a finite number, got {value}")
+        return None
+    if typ is int and not INT_MIN <= value <= INT_MAX:
+        errors.append(f"{path}: {value} is out of range (at most {INT_MAX})")
         return None
     return value
 
 
-def from_dict(raw: dict[str, Any], errors: list[str]) -> Config:
-    cfg = Config()
+def _parses_as(word: str, typ: type) -> bool:
+    try:
+        return word.strip().lower() in ("true", "false") if typ is bool else (typ(word.strip()), True)[1]
+    except ValueError:
+        return False
+
+
+def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None, text: bool = False) -> Config:
+    """TOML tables (or, with ``text``, override strings) into ``cfg`` (default: a fresh Config);
+    every error is appended, and a bad value leaves the field as it was."""
+    cfg = Config() if cfg is None else cfg
     for section, table in raw.items():
         if section == "sweep":  # read by fedddp.sweep, which runs the file's base config per combination
             errors.append("sweep: this file is a sweep; run it with python -m fedddp.sweep FILE")
@@ -240,7 +266,7 @@ def from_dict(raw: dict[str, Any], errors: list[str]) -> Config:
             if key not in types:
                 errors.append(f"{path}: unknown key (valid: {', '.join(types)})")
                 continue
-            coerced = _coerce(value, types[key], path, errors)
+            coerced = _coerce(value, types[key], path, errors, text)
             if coerced is not None:
                 setattr(target, key, coerced)
     return cfg
@@ -268,7 +294,7 @@ def validate(cfg: Config) -> list[str]:
             value = getattr(obj, f.name)
             if choices and value not in choices:
                 errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}")
-    positive = ["run.rounds", "run.eval_every", "run.num_threads", "data.num_clients", "data.shards_per_client",
+    positive = ["run.rounds", "run.eval_every", "run.num_threads", "run.collective_timeout_s", "data.num_clients", "data.shards_per_client",
                 "train.lr_step_size", "model.hidden"]
     non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
                     "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
@@ -326,23 +352,17 @@ def validate(cfg: Config) -> list[str]:
 
 
 def load(path: str | None, overrides: list[str] = ()) -> Config:
+    """The file, then the overrides; every error of both at once, as one ConfigError."""
     errors: list[str] = []
     raw: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                raw = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: config file not found") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
-    for section, table in parse_overrides(list(overrides), errors).items():
-        raw.setdefault(section, {})
-        if isinstance(raw[section], dict):
-            raw[section].update(table)
+        raw = _read_toml(path)
     cfg = from_dict(raw, errors)
-    if not errors:
-        errors = validate(cfg)
+    cfg = from_dict(parse_overrides(list(overrides), errors), errors, cfg, text=True)
+    # A key whose value was refused keeps its default, so the other keys are still checked;
+    # only errors about keys not already reported are added.
+    reported = {e.split(":", 1)[0] for e in errors}
+    errors += [e for e in validate(cfg) if e.split(":", 1)[0] not in reported]
     if errors:
         where = f" in {path}" if path else ""
         raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
@@ -350,6 +370,23 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
     # resolved once, so config.toml, the start line and every rule see the same weighting
     cfg.algorithm.weighting = weighting_of(cfg.algorithm)
     return cfg
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file (give a .toml file, e.g. "
+                          "configs/quickstart.toml)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a text file (a TOML config is UTF-8 text)") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
 
 def _toml_value(value: Any) -> str:

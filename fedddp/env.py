@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
+STATUS_FILE_VAR = "FEDDDP_STATUS_FILE"
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 DEFAULT_PORT = 29500
@@ -87,3 +88,23 @@ def resolve(environ=None) -> ProcessEnv:
         port = int(environ.get("MASTER_PORT", default_port))
         return ProcessEnv(rank, world, local, addr, port, "slurm")
     return ProcessEnv(0, 1, 0, "127.0.0.1", DEFAULT_PORT, "single")
+
+
+def write_status(code: int, line: str, order: int, environ=None) -> None:
+    """Leave a failed rank's exit status and one-line message where a launcher finds them:
+    torchrun reports any failed worker as status 1 inside its own banner, so launch/local.sh and
+    the sbatch templates name a file in FEDDDP_STATUS_FILE and read it back (``STATUS<TAB>ORDER<TAB>
+    LINE`` per line, appended by each rank that failed; the line of the lowest ORDER is the run's).
+    ORDER is the rank, plus the world size for a line that only relays another rank's error."""
+    path = (os.environ if environ is None else environ).get(STATUS_FILE_VAR)
+    if not path:
+        return
+    record = f"{code}\t{order}\t{' '.join(line.splitlines())}\n".encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, record)  # one write on an O_APPEND file: ranks never interleave
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # the line is on stderr already; the launcher then reports torchrun's status

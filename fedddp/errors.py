@@ -34,3 +34,11 @@ class DiskFullError(UserError):
     file system and the last complete checkpoint, from which ``run.resume=true`` continues."""
 
     exit_code = 5
+
+
+class StalledError(UserError):
+    """A rank stopped answering for run.collective_timeout_s seconds, or the ranks did not all
+    meet within it. Exit status 6. Name the rank; ``run.resume=true`` continues from the last
+    complete checkpoint."""
+
+    exit_code = 6

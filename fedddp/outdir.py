@@ -80,15 +80,22 @@ def results_in(out_dir: str) -> list[str]:
     return found
 
 
-def refuse_or_clear(out_dir: str, overwrite: bool) -> None:
-    """A fresh run never mixes with, or silently deletes, an earlier run's results."""
+def refuse_fresh_run(out_dir: str, overwrite: bool) -> list[str]:
+    """The earlier results a fresh run would replace; a ConfigError if it may not (no
+    run.overwrite). Also run by ``python -m fedddp --check``, so a launcher refuses before any
+    rank starts (and before torchrun --max-restarts could restart the refused run as a resume)."""
     found = results_in(out_dir)
-    if not found:
-        return
-    if not overwrite:
+    if found and not overwrite:
         raise ConfigError(f"run.out_dir: {out_dir} already holds a run's results ({', '.join(found)}); "
                           "continue it with run.resume=true, replace it with run.overwrite=true, or pick "
                           "another run.out_dir")
+    return found
+
+
+def refuse_or_clear(out_dir: str, overwrite: bool) -> None:
+    """A fresh run never mixes with, or silently deletes, an earlier run's results."""
+    if not refuse_fresh_run(out_dir, overwrite):
+        return
     for name in RESULTS + ("config.toml",):
         path = os.path.join(out_dir, name)
         if os.path.isdir(path):

@@ -7,8 +7,11 @@ preemption or time-out, resuming from the last checkpoint.
       --partition PARTITION --account ACCOUNT --time 24:00:00 --output runs/slurm/%j
   python launch/submit.py configs/quickstart.toml run.rounds=5 --local --gpus-per-node 0 --tasks-per-node 2
 
-Cluster settings are launcher flags, never part of the experiment config. The config and its
-overrides are checked here, before anything is queued (exit 2 with one line on a mistake).
+Cluster settings are launcher flags, never part of the experiment config. The config, its
+overrides and every client's data are checked here, before anything is queued, as by
+``python -m fedddp --check`` (fedddp's one line and status: 2 config, 3 data; --no-data-check
+checks the config alone, for data only the compute nodes see). With --wait a failed run ends
+with its rank's line and fedddp's status (6: a rank stopped answering).
 
 Requeue: Slurm sends USR2 to the tasks before the time limit or on preemption (--signal-delay
 seconds ahead); submitit calls ``Trainer.checkpoint`` on rank 0, which resubmits the same run
@@ -20,15 +23,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
+import tempfile
 
 import submitit
 
 from fedddp import config as fedddp_config
+from fedddp import env as fedddp_env
+from fedddp.__main__ import check as fedddp_check
 from fedddp.errors import ConfigError, UserError
 
 RESUME = "run.resume=true"
+# How a task's failure reads in submitit's error text: the status and fedddp's line.
+FAILED = re.compile(r"fedddp exited with status (\d+): (.*)")
 
 
 class Trainer(submitit.helpers.Checkpointable):
@@ -42,9 +51,22 @@ class Trainer(submitit.helpers.Checkpointable):
         from fedddp.__main__ import main
 
         export_rendezvous()
-        status = main(self.argv)
-        if status != 0:
-            raise RuntimeError(f"fedddp exited with status {status} (see this task's stderr)")
+        var = fedddp_env.STATUS_FILE_VAR
+        with tempfile.TemporaryDirectory() as folder:
+            own = var not in os.environ
+            # In a job, the job's folder, where submit.py --wait finds it even after a task that
+            # ended without returning (a rank that finds another stalled exits at once).
+            job = submitit.JobEnvironment() if os.environ.get("SUBMITIT_EXECUTOR") else None
+            path = os.environ.setdefault(var, status_path(job.paths.folder, job.job_id) if job
+                                         else os.path.join(folder, "status"))
+            try:
+                status = main(self.argv)
+            finally:
+                if own:
+                    del os.environ[var]
+            line = _status_line(path) if status != 0 else ""
+        if status != 0:  # submitit reports the job failed, with this text; submit.py --wait reads it back
+            raise RuntimeError(f"fedddp exited with status {status}: {line or 'see this task stderr'}")
         return status
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
@@ -53,6 +75,29 @@ class Trainer(submitit.helpers.Checkpointable):
         run.ckpt_every; nothing is saved from a signal handler.)"""
         argv = [a for a in self.argv if not a.startswith("run.resume=")] + [RESUME]
         return submitit.helpers.DelayedSubmission(Trainer(argv))
+
+
+def status_path(folder, job_id: str) -> str:
+    return os.path.join(str(folder), f"{job_id}_status.tsv")
+
+
+def _status(path: str) -> tuple[int, str] | None:
+    """(status, fedddp's line) from a status file (``STATUS<TAB>ORDER<TAB>LINE`` records, the
+    lowest order first), or None without one."""
+    try:
+        with open(path) as fh:
+            records = [line.rstrip("\n").split("\t", 2) for line in fh if line.count("\t") >= 2]
+    except OSError:
+        return None
+    if not records:
+        return None
+    code, _, line = min(records, key=lambda r: int(r[1]))
+    return int(code), line
+
+
+def _status_line(path: str) -> str:
+    found = _status(path)
+    return found[1] if found else ""
 
 
 def rendezvous_env(job: submitit.JobEnvironment, environ=os.environ) -> dict[str, str]:
@@ -113,13 +158,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--local", action="store_true",
                         help="run on this machine with submitit's LocalExecutor (tests, debugging)")
     parser.add_argument("--wait", action="store_true", help="wait for the job and report its end")
+    parser.add_argument("--no-data-check", dest="data_check", action="store_false",
+                        help="check the config alone before queueing, not the data (data that only "
+                             "the compute nodes see)")
     return parser.parse_intermixed_args(argv)
 
 
 def checked_argv(args: argparse.Namespace) -> tuple[list[str], fedddp_config.Config]:
     """The run's command line, checked now, with paths made absolute: a requeued task may
     start in another directory."""
-    cfg = fedddp_config.load(args.config, args.overrides)
+    cfg = fedddp_check(args.config, args.overrides, data=args.data_check)
     overrides = [a for a in args.overrides if not a.startswith("run.out_dir=")]
     argv = [os.path.abspath(args.config)] + overrides + [f"run.out_dir={os.path.abspath(cfg.run.out_dir)}"]
     return argv, cfg
@@ -146,10 +194,21 @@ def make_executor(args: argparse.Namespace) -> submitit.AutoExecutor:
     return executor
 
 
+class RunError(Exception):
+    """fedddp's own mistake found before queueing (config or data): fedddp's line and status."""
+
+    def __init__(self, error: UserError):
+        super().__init__(str(error))
+        self.exit_code = error.exit_code
+
+
 def submit(argv: list[str]):
     """Parse, check and submit; returns the submitit job and the parsed flags."""
     args = parse_args(argv)
-    run_argv, cfg = checked_argv(args)
+    try:
+        run_argv, cfg = checked_argv(args)
+    except UserError as exc:
+        raise RunError(exc) from None
     if cfg.run.ckpt_every == 0:
         print("submit: note: run.ckpt_every = 0: a requeued job starts again from round 1",
               file=sys.stderr)
@@ -162,6 +221,9 @@ def submit(argv: list[str]):
 def main(argv: list[str] | None = None) -> int:
     try:
         job, args = submit(sys.argv[1:] if argv is None else argv)
+    except RunError as exc:
+        print(f"fedddp: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     except UserError as exc:
         print(f"submit: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -169,8 +231,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             job.results()
         except Exception as exc:  # submitit re-raises the task's failure with its log
-            print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
-            return 1
+            found = _status(status_path(job.paths.folder, job.job_id))
+            if found is None and (match := FAILED.search(str(exc))) is not None:
+                found = int(match.group(1)), match.group(2)
+            if found is None:
+                print(f"job {job.job_id} failed: {exc}", file=sys.stderr)
+                return 1
+            print(found[1], file=sys.stderr)
+            return found[0]
         print(f"job {job.job_id} done")
     return 0
 

@@ -137,3 +137,73 @@ def test_config_toml_and_start_line_show_the_resolved_algorithm(tmp_path):
     assert "fedgam: gam clients, fedavg server rule, uniform weights; aggregation:" in start[0], start[0]
     written = (tmp_path / "config.toml").read_text()
     assert 'weighting = "uniform"' in written and 'weighting = "auto"' not in written
+
+# -- every mistake in a config file is one line, exit 2 ------------------------------------------
+
+def test_type_error_does_not_hide_the_other_errors_of_the_file(tmp_path):
+    """A wrong type used to stop the check before validate(): the file's other errors (here an
+    impossible batch size and an unknown choice) were reported only on the next attempt."""
+    path = write(tmp_path, "[run]\nrounds = 'x'\n[train]\nbatch_size = -1\n[data]\nname = 'imagenet'\n")
+    with pytest.raises(ConfigError) as err:
+        config.load(path)
+    msg = str(err.value)
+    assert msg.startswith("3 configuration error(s)"), msg
+    for fragment in ("run.rounds: expected int", "train.batch_size: must be >= 0", "data.name: 'imagenet'"):
+        assert fragment in msg, msg
+
+
+def test_toml_string_for_a_number_is_refused_but_overrides_are_parsed(tmp_path):
+    """TOML values are typed: ``rounds = "3"`` was silently read as 3. Overrides on the command
+    line are strings by nature and stay parsed."""
+    with pytest.raises(ConfigError, match=r"run.rounds: expected int, got str '3' \(remove the quotes\)"):
+        config.load(write(tmp_path, '[run]\nrounds = "3"\n'))
+    with pytest.raises(ConfigError, match="run.resume: expected bool"):
+        config.load(write(tmp_path, '[run]\nresume = "true"\n'))
+    with pytest.raises(ConfigError, match="train.lr: expected float"):
+        config.load(write(tmp_path, '[train]\nlr = "0.1"\n'))
+    assert config.load(None, ["run.rounds=3"]).run.rounds == 3
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_number_is_a_config_error(tmp_path, text):
+    """``train.lr=nan`` was accepted and trained a NaN model to the end with exit 0."""
+    with pytest.raises(ConfigError, match="train.lr: must be a finite number, got -?inf|train.lr: must be a finite number, got nan"):
+        config.load(None, [f"train.lr={text}"])
+    with pytest.raises(ConfigError, match="algorithm.server_momentum: must be a finite number"):
+        config.load(write(tmp_path, f"[algorithm]\nserver_momentum = {text.lower()}\n"))
+
+
+def test_out_of_range_integer_is_a_config_error(tmp_path):
+    """``run.seed=99999999999999999999999`` ended in an OverflowError traceback (exit 1)."""
+    with pytest.raises(ConfigError, match="run.seed: 99999999999999999999999 is out of range"):
+        config.load(None, ["run.seed=99999999999999999999999"])
+    with pytest.raises(ConfigError, match="data.num_clients: .* is out of range"):
+        config.load(write(tmp_path, "[data]\nnum_clients = 99999999999999999999999\n"))
+
+
+def test_collective_timeout_must_be_positive():
+    assert config.load(None, ["run.collective_timeout_s=2.5"]).run.collective_timeout_s == 2.5
+    with pytest.raises(ConfigError, match="run.collective_timeout_s: must be > 0"):
+        config.load(None, ["run.collective_timeout_s=0"])
+
+
+@pytest.mark.parametrize("kind", ["directory", "binary", "ls"])
+def test_unreadable_config_file_is_one_line_exit_2(tmp_path, kind):
+    """A directory or a binary file as the config ended in IsADirectoryError /
+    UnicodeDecodeError tracebacks (exit 1)."""
+    path = {"directory": str(tmp_path), "ls": "/bin/ls"}.get(kind)
+    if kind == "binary":
+        path = str(tmp_path / "model.pt")
+        with open(path, "wb") as fh:
+            fh.write(bytes(range(256)) * 4)
+    proc = subprocess.run([sys.executable, "-m", "fedddp", path], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"fedddp: error: {path}: "), proc.stderr
+
+
+def test_cli_out_of_range_seed_exits_2_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fedddp", "run.seed=99999999999999999999999",
+                           f"run.out_dir={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "run.seed: 99999999999999999999999 is out of range" in proc.stderr

@@ -180,6 +180,18 @@ def test_corrupt_mnist_file_names_the_file(tmp_path):
         build(config(tmp_path, name="mnist", num_clients=2, partition="iid"), seed=0, owned_ids=[0])
 
 
+def test_float_labels_in_an_idx_file_are_refused(tmp_path):
+    """An IDX label file of float type (0x0D) was cast to int64: NaN became a huge class and
+    2.5 became class 2. Labels must be an integer type; images already must be uint8."""
+    make_mnist(tmp_path)
+    bad = tmp_path / "MNIST" / "raw" / "t10k-labels-idx1-ubyte.gz"
+    labels = (np.arange(50) % 10).astype(np.float32)
+    labels[3] = np.nan
+    write_idx(bad, labels, type_code=0x0D, big_endian_dtype=">f4")
+    with pytest.raises(DataError, match="t10k-labels-idx1-ubyte.gz: expected integer labels, got float32"):
+        build(config(tmp_path, name="mnist", num_clients=2, partition="iid"), seed=0, owned_ids=[0])
+
+
 @pytest.mark.parametrize("name,folder", [("cifar10", "cifar-10-batches-py"), ("cifar100", "cifar-100-python")])
 def test_missing_cifar_names_its_folder(tmp_path, name, folder):
     with pytest.raises(DataError) as info:

@@ -174,9 +174,39 @@ def test_malformed_files_are_data_errors_naming_the_file(tmp_path):
         build(cfg_for(tmp_path), 0, [0])
     train.write_text(good)
     (folder / "RUL_FD001.txt").write_text("10\n20\n")
-    with pytest.raises(DataError, match=r"RUL_FD001.txt: expected one non-negative integer per test unit "
-                                        r"\(4 units"):
+    with pytest.raises(DataError, match=r"RUL_FD001.txt: expected one integer per line for each of the 4 "
+                                        r"test units, got 2 line\(s\)"):
         build(cfg_for(tmp_path), 0, [0])
+
+
+@pytest.mark.parametrize("kind,value", [("train", "nan"), ("train", "inf"), ("test", "-inf"), ("test", "NaN")])
+def test_non_finite_sensor_is_a_data_error_naming_file_and_line(tmp_path, kind, value):
+    """np.loadtxt reads 'nan' and 'inf' as numbers: such a file used to train (or test) a NaN
+    model to the end with exit 0."""
+    folder = make_cmapss(tmp_path)
+    path = folder / f"{kind}_FD001.txt"
+    lines = path.read_text().splitlines()
+    fields = lines[2].split()
+    fields[9] = value  # sensor s5 of the third row
+    lines[2] = " ".join(fields)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=rf"{kind}_FD001.txt: 1 non-finite value\(s\) \(NaN or infinity\), "
+                                        r"the first at line 3, column 10"):
+        build(cfg_for(tmp_path), 0, [0])
+
+
+@pytest.mark.parametrize("value,shown", [("-5", "-5"), ("12.5", "12.5"), ("nan", "nan")])
+def test_bad_rul_value_says_what_is_wrong(tmp_path, value, shown):
+    """A negative RUL used to be reported as 'got 4 values' for a file of 4 values: the count
+    was right, the value was not."""
+    folder = make_cmapss(tmp_path)
+    (folder / "RUL_FD001.txt").write_text(f"10\n{value}\n20\n30\n")
+    with pytest.raises(DataError) as info:
+        build(cfg_for(tmp_path), 0, [0])
+    msg = str(info.value)
+    assert "RUL_FD001.txt: " in msg and "got 4 values" not in msg, msg
+    assert (f"line 2 holds {shown}, but a remaining useful life is a whole number" in msg
+            or "non-finite value(s) (NaN or infinity), the first at line 2" in msg), msg
 
 
 @pytest.mark.parametrize("overrides,fragment", [

@@ -161,3 +161,43 @@ def test_leaf_file_order_is_numeric():
     names = ["all_data_10_niid_0_keep_0_train_9.json", "all_data_2_niid_0_keep_0_train_9.json",
              "all_data_0_niid_0_keep_0_train_9.json"]
     assert sorted(names, key=leaf._natural_key) == [names[2], names[1], names[0]]
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_nan_pixel_is_a_data_error_naming_the_file(tmp_path, split):
+    """JSON admits NaN: a LEAF file with one NaN pixel used to train a NaN model to the end with
+    exit 0."""
+    write_leaf(tmp_path)
+    path = tmp_path / "FEMNIST" / split / f"all_data_0_niid_0_keep_0_{split}_9.json"
+    blob = json.loads(path.read_text())
+    blob["user_data"]["f0004_11"]["x"][0][300] = float("nan")
+    path.write_text(json.dumps(blob))  # writes the bare NaN literal, as Python's json does
+    with pytest.raises(DataError, match=rf"{path.name}: writer f0004_11's image 0 has non-finite pixels"):
+        build(femnist_cfg(tmp_path), seed=0, owned_ids=[0, 1, 2, 3, 4])
+
+
+def test_float_label_is_refused_not_truncated(tmp_path):
+    """Labels were cast with int64, so 3.7 silently became class 3."""
+    write_leaf(tmp_path)
+    path = tmp_path / "FEMNIST" / "train" / "all_data_0_niid_0_keep_0_train_9.json"
+    blob = json.loads(path.read_text())
+    blob["user_data"]["f0003_45"]["y"][1] = 3.7
+    path.write_text(json.dumps(blob))
+    with pytest.raises(DataError, match=rf"{path.name}: writer f0003_45 has a label 3.7 that is not an integer"):
+        build(femnist_cfg(tmp_path), seed=0, owned_ids=[0])
+    blob["user_data"]["f0003_45"]["y"][1] = 3.0  # an integral float is the class it names
+    path.write_text(json.dumps(blob))
+    assert build(femnist_cfg(tmp_path), seed=0, owned_ids=[0]).train[0].y[1].item() == 3
+
+
+def test_nan_pixel_exits_3_in_one_line(tmp_path):
+    write_leaf(tmp_path / "data")
+    path = tmp_path / "data" / "FEMNIST" / "train" / "all_data_2_niid_0_keep_0_train_9.json"
+    blob = json.loads(path.read_text())
+    blob["user_data"]["f0000_14"]["x"][1][5] = float("inf")
+    path.write_text(json.dumps(blob))
+    proc = run_fedddp([f"data.root={tmp_path / 'data'}", f"run.out_dir={tmp_path / 'out'}", "run.rounds=1",
+                       "data.name=femnist", "data.partition=natural", "data.num_clients=5",
+                       "run.clients_per_round=2", "model.name=logistic"], check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and str(path) in proc.stderr, proc.stderr

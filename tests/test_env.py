@@ -42,3 +42,12 @@ def test_sbatch_shell_without_task_is_single():
                                             ("x-1,x-2", "x-1")])
 def test_first_host(nodelist, first):
     assert env.first_host(nodelist) == first
+
+
+def test_status_file_records_one_line_per_failed_rank(tmp_path):
+    """What the launchers read back after torchrun (which itself says only 1)."""
+    path = tmp_path / "status"
+    env.write_status(3, "fedddp: error: a\nb", 1, {"FEDDDP_STATUS_FILE": str(path)})
+    env.write_status(3, "fedddp: error: relayed", 0 + 2, {"FEDDDP_STATUS_FILE": str(path)})
+    env.write_status(2, "ignored", 0, {})  # no file named: nothing written, no error
+    assert path.read_text().splitlines() == ["3\t1\tfedddp: error: a b", "3\t2\tfedddp: error: relayed"]

@@ -140,6 +140,33 @@ def test_submit_rejects_a_bad_config_before_queueing(tmp_path, capsys):
     assert not logs.exists()
 
 
+def test_submit_rejects_missing_data_before_queueing_with_status_3(tmp_path, capsys):
+    """submit.py checked the config alone: a run whose data was missing was queued and failed
+    on the nodes. The data layout is checked too, with fedddp's line and status."""
+    logs = tmp_path / "logs"
+    status = submit.main([QUICKSTART, *cmapss_missing(tmp_path), "--local", "--output", str(logs / "%j")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 3 and len(err) == 1 and err[0].startswith("fedddp: error: ") and "CMAPSS" in err[0], err
+    assert not logs.exists()
+
+
+def test_submit_wait_returns_the_ranks_status_and_line(tmp_path, local_job_env, capsys):
+    """With --wait, a task that failed came back as status 1 and submitit's traceback; now it is
+    fedddp's status and line (the data check skipped, so the ranks meet the missing data)."""
+    status = submit.main([QUICKSTART, *cmapss_missing(tmp_path), "run.progress=false", "--local",
+                          "--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "10", "--wait",
+                          "--no-data-check", "--output", str(tmp_path / "submitit" / "%j")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 3, err
+    assert err[-1].startswith("fedddp: error: ") and "CMAPSS files missing" in err[-1], err
+
+
+def cmapss_missing(tmp_path):
+    """A run whose data is missing: the ranks exit 3 (no torchrun, no GPU needed)."""
+    return ["data.name=cmapss", "model.name=ffnn", "data.num_clients=4", "run.clients_per_round=2",
+            f"data.root={tmp_path / 'nodata'}", f"run.out_dir={tmp_path / 'out'}"]
+
+
 def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
     assert submit.main([QUICKSTART, "--output", str(tmp_path / "logs" / "%j")]) == 2
@@ -239,7 +266,7 @@ def slurm_job(tmp_path):
         (stubs / name).chmod((stubs / name).stat().st_mode | stat.S_IEXEC)
     srun_log = tmp_path / "srun.log"
 
-    def sbatch(template, args, nodes, gpus_per_node, **extra):
+    def sbatch(template, args, nodes, gpus_per_node, expect=0, **extra):
         job_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         job_env.update(PATH=f"{stubs}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
                        SLURM_JOB_ID="4242", SLURM_NNODES=str(nodes), SLURM_JOB_NUM_NODES=str(nodes),
@@ -248,8 +275,8 @@ def slurm_job(tmp_path):
                        OMP_NUM_THREADS="1", SRUN_LOG=str(srun_log), **extra)
         proc = subprocess.run(["bash", os.path.join(REPO, "slurm", template), *args], env=job_env,
                               cwd=tmp_path, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        return proc, srun_log.read_text().splitlines()[-1]
+        assert proc.returncode == expect, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc, srun_log.read_text().splitlines()[-1] if srun_log.exists() else None
 
     return sbatch
 
@@ -283,7 +310,56 @@ def test_multinode_template_two_nodes_and_requeue(tmp_path, reference, slurm_job
     assert_same_state(final_state(reference), final_state(out))
 
 
+@pytest.mark.parametrize("template", ["thesis_4gpu.sbatch", "multinode.sbatch"])
+def test_templates_exit_2_for_a_config_error_before_srun(tmp_path, slurm_job, template):
+    """The templates returned torchrun's 1 inside its banner; a config error is now fedddp's one
+    line and status 2, found before srun starts anything."""
+    proc, srun_line = slurm_job(template, [QUICKSTART, "run.rounds=0"], nodes=1, gpus_per_node=2, expect=2)
+    assert srun_line is None, srun_line
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "run.rounds: must be > 0" in proc.stderr
+
+
+@pytest.mark.parametrize("template", ["thesis_4gpu.sbatch", "multinode.sbatch"])
+def test_templates_keep_a_ranks_data_error_status(tmp_path, slurm_job, template):
+    """Check skipped (CHECK=0): the ranks meet the missing data under torchrun, which says 1;
+    the template reads the ranks' status file and ends with fedddp's line and status 3."""
+    proc, srun_line = slurm_job(template, [QUICKSTART, *cmapss_missing(tmp_path), "run.device=cpu"], nodes=1,
+                                gpus_per_node=2, expect=3, CHECK="0", MAX_RESTARTS="0")
+    assert srun_line is not None
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fedddp: error: ") and "CMAPSS files missing" in last, proc.stderr[-3000:]
+    assert not list(tmp_path.glob(".fedddp-status*")), "the status file is removed at the end"
+
+
 # -- the torchrun wrapper ------------------------------------------------------------------------
+
+def local_sh(args, **env):
+    job_env = {k: v for k, v in os.environ.items() if k not in ("NPROC", "MAX_RESTARTS", "CHECK")}
+    return subprocess.run(["bash", os.path.join(REPO, "launch", "local.sh"), QUICKSTART, *args],
+                          capture_output=True, text=True, timeout=240, cwd=REPO,
+                          env=dict(job_env, OMP_NUM_THREADS="1", PYTHON=sys.executable, NPROC="2", **env))
+
+
+@pytest.mark.parametrize("args,status,fragment", [
+    (["run.rounds=0"], 2, "run.rounds: must be > 0"),
+    (["data.name=cmapss", "model.name=ffnn", "data.root=/nonexistent"], 3, "CMAPSS files missing"),
+])
+def test_local_wrapper_exits_with_fedddps_status_and_line(args, status, fragment):
+    """Under torchrun a config or data error came back as status 1 inside torchrun's failure
+    banner; launch/local.sh checks first: fedddp's one line, fedddp's status, no rank started."""
+    proc = local_sh(args)
+    assert proc.returncode == status, proc.stderr[-4000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedddp: error: ") and fragment in lines[0], proc.stderr[-4000:]
+
+
+def test_local_wrapper_keeps_a_ranks_status_after_torchrun(tmp_path):
+    """CHECK=0: the ranks meet the missing data themselves; torchrun says 1, the wrapper reads the
+    status the ranks left in FEDDDP_STATUS_FILE and ends with fedddp's line and status 3."""
+    proc = local_sh(cmapss_missing(tmp_path), CHECK="0")
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("fedddp: error: ") and "CMAPSS files missing" in last, proc.stderr[-4000:]
 
 @pytest.mark.slow
 def test_local_wrapper_starts_two_ranks_without_gpus(tmp_path, reference):
@@ -296,3 +372,21 @@ def test_local_wrapper_starts_two_ranks_without_gpus(tmp_path, reference):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert sorted(os.listdir(out / "checkpoints" / "round_000004"))[:2] == ["clients_rank0.pt", "clients_rank1.pt"]
     assert_same_state(final_state(reference), final_state(out))
+
+
+def test_local_wrapper_names_the_rank_whose_data_failed(tmp_path):
+    """Only rank 1's client has a NaN pixel: rank 1 names the file, rank 0 only relays that
+    another rank failed. The wrapper ends with rank 1's line, not the relay."""
+    import json
+    from test_data_femnist import write_leaf
+
+    write_leaf(tmp_path / "data")
+    path = tmp_path / "data" / "FEMNIST" / "train" / "all_data_0_niid_0_keep_0_train_9.json"
+    blob = json.loads(path.read_text())
+    blob["user_data"]["f0004_11"]["x"][0][7] = float("nan")  # client 1: rank 1's of 2
+    path.write_text(json.dumps(blob))
+    proc = local_sh(["data.name=femnist", "data.partition=natural", "data.num_clients=5", "run.clients_per_round=2",
+                     f"data.root={tmp_path / 'data'}", f"run.out_dir={tmp_path / 'out'}"], CHECK="0")
+    assert proc.returncode == 3, proc.stderr[-4000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"fedddp: error: {path}: writer f0004_11's image 0 has non-finite pixels"), proc.stderr[-4000:]

@@ -193,3 +193,15 @@ def test_stop_after_says_how_to_continue(tmp_path, capsys):
     status, lines = _main(ARGS + [f"run.out_dir={out}", "run.resume=true"], capsys)
     assert status == 0 and lines == [f"fedddp: resuming from round 3 ({out / 'checkpoints' / 'round_000003'})"]
     assert [m["round"] for m in metrics(out)] == list(range(1, 7))
+
+
+def test_check_refuses_a_fresh_run_into_a_folder_with_results(tmp_path, capsys):
+    """The launchers run --check before torchrun: a fresh run into a folder with results must be
+    refused there, or torchrun --max-restarts restarts the refused workers, which are then forced
+    to resume the earlier run. The check deletes nothing, even with run.overwrite=true."""
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n')
+    status, lines = _main(["--check", QUICKSTART, f"run.out_dir={tmp_path}"], capsys)
+    assert status == 2 and len(lines) == 1 and "run.overwrite=true" in lines[0], lines
+    for extra in ("run.overwrite=true", "run.resume=true"):
+        assert _main(["--check", QUICKSTART, f"run.out_dir={tmp_path}", extra], capsys)[0] == 0
+    assert (tmp_path / "metrics.jsonl").exists()

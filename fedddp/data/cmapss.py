@@ -69,6 +69,7 @@ def read_table(path: str) -> np.ndarray:
     if table.shape[0] == 0 or table.shape[1] != NUM_COLUMNS:
         raise DataError(f"{path}: not a CMAPSS file ({table.shape[0]} rows of {table.shape[1]} columns; "
                         f"expected {NUM_COLUMNS} columns: unit, cycle, 3 settings, 21 sensors); fetch it again")
+    _check_finite(path, table)
     units_N, cycles_N = table[:, 0], table[:, 1]
     if (units_N != np.round(units_N)).any() or (cycles_N != np.round(cycles_N)).any() \
             or units_N.min() < 1 or cycles_N.min() < 1:
@@ -77,12 +78,27 @@ def read_table(path: str) -> np.ndarray:
     return table
 
 
+def _check_finite(path: str, table: np.ndarray) -> None:
+    """np.loadtxt reads 'nan' and 'inf' as numbers: a damaged file would train a NaN model."""
+    bad = np.argwhere(~np.isfinite(table))
+    if len(bad):
+        line, column = (int(i) + 1 for i in bad[0])
+        raise DataError(f"{path}: {len(bad)} non-finite value(s) (NaN or infinity), the first at line "
+                        f"{line}, column {column}; the file is damaged, fetch it again")
+
+
 def read_rul(path: str, num_units: int) -> np.ndarray:
     """RUL file -> float64 [U]: the true remaining cycles of each test unit, in unit order."""
-    rul_U = _load(path, "CMAPSS RUL file", "one integer per line", ndmin=1)
-    if rul_U.ndim != 1 or len(rul_U) != num_units or (rul_U < 0).any():
-        raise DataError(f"{path}: expected one non-negative integer per test unit ({num_units} units in "
-                        f"the test file), got {rul_U.size} values; fetch it again")
+    rul_U = _load(path, "CMAPSS RUL file", "one integer per line", ndmin=2)
+    if rul_U.shape[1] != 1 or rul_U.shape[0] != num_units:
+        raise DataError(f"{path}: expected one integer per line for each of the {num_units} test units, "
+                        f"got {rul_U.shape[0]} line(s) of {rul_U.shape[1]} value(s); fetch it again")
+    rul_U = rul_U[:, 0]
+    _check_finite(path, rul_U[:, None])
+    wrong = np.flatnonzero((rul_U < 0) | (rul_U != np.round(rul_U)))
+    if len(wrong):
+        raise DataError(f"{path}: line {wrong[0] + 1} holds {rul_U[wrong[0]]:g}, but a remaining useful "
+                        "life is a whole number of cycles >= 0; fetch it again")
     return rul_U
 
 

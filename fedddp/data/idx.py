@@ -107,6 +107,9 @@ def load(root: str, name: str, with_train: bool, download: bool = False):
         if images_NHW.ndim != 3 or images_NHW.dtype != np.uint8:
             raise DataError(f"{images_path}: expected uint8 images [N, H, W], got "
                             f"{images_NHW.dtype} {list(images_NHW.shape)}; delete it and fetch it again")
+        if labels_N.dtype.kind not in "iu":  # a float type code would be truncated into classes
+            raise DataError(f"{labels_path}: expected integer labels, got {labels_N.dtype}; delete it "
+                            "and fetch it again")
         if labels_N.ndim != 1 or len(labels_N) != len(images_NHW):
             raise DataError(f"{labels_path}: expected {len(images_NHW)} labels to match "
                             f"{images_path}, got shape {list(labels_N.shape)}; delete it and fetch it again")

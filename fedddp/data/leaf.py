@@ -70,17 +70,27 @@ def read_writers(path: str):
 
 
 def to_arrays(path: str, writer: str, x, y) -> tuple[np.ndarray, np.ndarray]:
-    """A writer's JSON lists -> (images_N1HW float32, labels_N int64), shape and labels checked."""
+    """A writer's JSON lists -> (images_N1HW float32, labels_N int64), checked: shape, finite
+    pixels (JSON admits NaN and Infinity), integral labels in range (a float label is refused,
+    not truncated)."""
     try:
         images_N1HW = np.asarray(x, dtype=np.float32).reshape(len(y), *INPUT_SHAPE)
-        labels_N = np.asarray(y, dtype=np.int64).reshape(len(y))
+        labels_N = np.asarray(y, dtype=np.float64).reshape(len(y))
     except (ValueError, TypeError):
         raise DataError(f"{path}: writer {writer}'s images are not rows of 784 numbers with integer "
                         f"labels; delete it and {_HOW_TO_GET}") from None
+    if not np.isfinite(images_N1HW).all():
+        bad = int(np.flatnonzero(~np.isfinite(images_N1HW.reshape(len(y), -1)).all(axis=1))[0])
+        raise DataError(f"{path}: writer {writer}'s image {bad} has non-finite pixels (NaN or infinity); "
+                        f"the file is damaged, delete it and {_HOW_TO_GET}")
+    if len(labels_N) and not (np.isfinite(labels_N) & (labels_N == np.round(labels_N))).all():
+        bad = labels_N[~(np.isfinite(labels_N) & (labels_N == np.round(labels_N)))][0]
+        raise DataError(f"{path}: writer {writer} has a label {bad:g} that is not an integer class; "
+                        f"the file is not FEMNIST, {_HOW_TO_GET}")
     if len(labels_N) and (labels_N.min() < 0 or labels_N.max() >= NUM_CLASSES):
         raise DataError(f"{path}: writer {writer} has labels outside [0, {NUM_CLASSES}); the file is not "
                         f"FEMNIST, {_HOW_TO_GET}")
-    return images_N1HW, labels_N
+    return images_N1HW, labels_N.astype(np.int64)
 
 
 def build(data_cfg, root: str, owned_ids: list[int]) -> FederatedData:
