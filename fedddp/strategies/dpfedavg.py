@@ -7,8 +7,8 @@ client-level differential privacy for FedAvg.
 K is the configured number of clients sampled per round (``num_sampled``), not the number of
 reports: with dropouts the denominator stays fixed, as the paper's estimator (qW) does, so one
 client moves the model by at most C / K. Weights are uniform (the bound needs equal weights).
-Computed as sum_k (s_k / K) w_k + (sum_k (1 - s_k) / K) w, so with no client clipped and z = 0
-the weights and the fused weighted mean are FedAvg's (uniform weighting) bit for bit.
+Computed as sum_k (s_k / K) w_k + (1 - sum_k s_k / K) w, so with every client reporting, none
+clipped and z = 0, the weights and the fused weighted mean are FedAvg's (uniform) bit for bit.
 
 Privacy: every aggregation is one step of the subsampled Gaussian mechanism with noise
 multiplier z and sampling rate q = K / N; epsilon at ``algorithm.dp_delta`` after the steps so
@@ -61,7 +61,10 @@ def aggregate(global_P, stacks, state, hp):
     num_sampled = stacks["num_sampled"].to(params_KP.dtype)
     scale_K = clip_factors_K(params_KP - global_P, hp.dp_clip)
     share_K = torch.ones_like(scale_K) / num_sampled  # FedAvg's uniform weights when all report
-    new_global_P = weighted_mean_P(share_K * scale_K, params_KP) + (share_K * (1 - scale_K)).sum() * global_P
+    # w's own weight 1 - sum_k s_k / K, as sums that are exactly 0 when every sampled client
+    # reported within the bound (so the neutral setting keeps FedAvg's bits)
+    stay = (share_K * (1 - scale_K)).sum() + (num_sampled - scale_K.shape[0]) / num_sampled
+    new_global_P = weighted_mean_P(share_K * scale_K, params_KP) + stay * global_P
     steps = state["dp_steps"] + 1
     if hp.dp_noise > 0:
         gen = torch.Generator(device=global_P.device).manual_seed(
