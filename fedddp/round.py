@@ -315,10 +315,12 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         server_view = {k: state[k] for k in strategy.client_visible}
         for i, cid in enumerate(mine):
             work = participation.local_work(cfg, round_idx, cid)
-            if rc.deadline_steps and planned_steps(len(data.train[cid]), cfg.train, work) > rc.deadline_steps:
-                # a straggler: only its step count travels, and rank 0 leaves its row out
+            steps = planned_steps(len(data.train[cid]), cfg.train, work)
+            if rc.deadline_steps and steps > rc.deadline_steps:
+                # a straggler does not train: only its step count travels (its owner alone knows
+                # n_k), and rank 0 leaves its row out
                 rows_MF[i].fill_(math.nan)
-                rows_MF[i, report.slices["num_steps_K"]] = planned_steps(len(data.train[cid]), cfg.train, work)
+                rows_MF[i, report.slices["num_steps_K"]] = steps
                 rows_MF[i, report.slices["train_time_K"]] = 0.0
                 continue
             layout.unflatten_into(global_P, model)
@@ -397,7 +399,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
                     "communicate_s": max(0.0, (t_gather - t_round) - max(train_s_R)) + (t_bcast - t_agg),
                     "aggregate_s": t_agg - t_gather, "evaluate_s": t_eval - t_bcast,
                     "checkpoint_s": t_ckpt - t_eval, "clients": sampled, "num_reports": len(reported),
-                    "dropped": [c for c in sampled if c not in set(reported)]}
+                    "dropped": sorted(set(sampled) - set(reported))}
             line.update({k: _to_json(v) for k, v in diagnostics.items()})
             line = {k: _finite_or_null(v) for k, v in line.items()}
             with outdir.disk_full_is_one_line("metrics.jsonl", rc.out_dir, last_ckpt), \
