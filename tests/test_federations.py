@@ -205,6 +205,17 @@ def test_dp_neutral_setting_is_fedavg_bitwise_end_to_end(tmp_path):
     assert (noisy - fedavg).abs().max() > 1e-3  # the comparison can fail
 
 
+def test_dp_with_dropouts_resumes_exactly(tmp_path):
+    """Guards against noise or accounting that restart with the process: the aggregation count
+    that seeds the noise and feeds the accountant is server state, checkpointed."""
+    args = ["algorithm.name=dpfedavg", "algorithm.dp_clip=0.5", "run.dropout=0.3", "run.ckpt_every=2"]
+    full = run_in_process(tmp_path / "full", *args, rounds=4)
+    run_in_process(tmp_path / "part", *args, "run.stop_after=2", rounds=4)
+    resumed = run_in_process(tmp_path / "part", *args, "run.resume=true", rounds=4)
+    assert torch.equal(full, resumed)
+    assert [m["epsilon"] for m in metrics(tmp_path / "full")] == [m["epsilon"] for m in metrics(tmp_path / "part")]
+
+
 def test_reported_epsilon_is_the_accountants(tmp_path):
     """Every round's epsilon equals Opacus's RDP accountant called directly with q = K / N, the
     noise multiplier and the aggregations so far (a round without reports spends nothing)."""
