@@ -234,6 +234,16 @@ def test_reported_epsilon_is_the_accountants(tmp_path):
     assert lines[-1]["epsilon"] > 0
 
 
+def test_checkpoint_from_before_the_new_keys_still_resumes():
+    """Guards against every added config key making older checkpoints foreign: a key missing
+    from the saved identity is no change while it keeps its default, and is one otherwise."""
+    now = checkpoint.identity(config.load(None, []))
+    older = {k: v for k, v in now.items() if k not in ("run.dropout", "train.local_work_min")}
+    assert checkpoint.identity_changes(older, now) == []
+    changed = checkpoint.identity(config.load(None, ["run.dropout=0.2"]))
+    assert checkpoint.identity_changes(older, changed) == ["run.dropout '(unset)' -> 0.2"]
+
+
 # -- configuration ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides,words", [
