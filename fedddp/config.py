@@ -55,7 +55,8 @@ class RunConfig:
                               "(seed, round, client id); it does not train. A round with no reports leaves "
                               "the model and server state unchanged (metrics.jsonl: num_reports = 0).")
     deadline_steps: int = opt(0, "Drop (as a straggler) every sampled client whose local steps this round "
-                                 "exceed this many; 0: no deadline. It does not train and its client state is untouched.")
+                                 "exceed this many; 0: no deadline. It does not train and its client "
+                                 "state is untouched.")
 
 
 # Keys that may differ between a checkpoint and the run that resumes from it: they do not decide
