@@ -28,6 +28,7 @@ ALGORITHMS: dict[str, tuple[str, str]] = {
     "fedgam": ("gam", "fedavg"),
     "fedgam_cv": ("gam_cv", "fedgam_cv"),
     "fedsmoo": ("smoo", "fedsmoo"),
+    "dpfedavg": ("plain", "dpfedavg"),
 }
 
 
@@ -48,6 +49,7 @@ WEIGHTING: dict[str, str] = {
     "fedgam": "uniform",     # seed 002, Alg. 1 line 12
     "fedgam_cv": "uniform",  # seed 002, Alg. 2 line 15
     "fedsmoo": "uniform",    # FL-Simulator's FedSMOO: mean
+    "dpfedavg": "uniform",   # McMahan et al. 2018 with w_k = 1: one client's influence is at most C / K
 }
 
 
@@ -99,6 +101,7 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                           "from the SGD one implemented here; use another local rule")
         if not cfg.train.momentum < 1:
             errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
+    errors += _check_dp(cfg, server)
     if local in ("scaffold", "gam_cv"):
         errors += _check_control(cfg, local)
     if local == "moon":
@@ -114,6 +117,36 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                           "algorithm.local)")
     from .client.optim import check_optimizer
     return errors + check_optimizer(cfg.train)
+
+
+def _check_dp(cfg, server: str) -> list[str]:
+    """Client-level DP is the dpfedavg server rule's: the others reweight, mask, normalise or keep
+    state over the clients' raw updates, which voids its C / K bound on one client's influence."""
+    hp = cfg.algorithm
+    if server != "dpfedavg":
+        if hp.dp_clip > 0:
+            return [f"algorithm.dp_clip: client-level DP is algorithm.name = dpfedavg (FedAvg's server rule "
+                    f"with clipping and noise; any local rule it pairs with via algorithm.local, e.g. prox, sam, "
+                    f"gam, moon); the other server rules ({server} here) reweight, mask or normalise raw "
+                    f"updates, which voids the clip bound: use dpfedavg or set algorithm.dp_clip = 0"]
+        return []
+    errors = []
+    if not hp.dp_clip > 0:
+        errors.append(f"algorithm.dp_clip: dpfedavg clips each client's update to this L2 norm; set it > 0, "
+                      f"got {hp.dp_clip}")
+    if hp.dp_noise < 0:
+        errors.append(f"algorithm.dp_noise: must be >= 0, got {hp.dp_noise}")
+    if not 0 < hp.dp_delta < 1:
+        errors.append(f"algorithm.dp_delta: must be in (0, 1), got {hp.dp_delta}")
+    if weighting_of(hp) != "uniform":
+        errors.append(f"algorithm.weighting: dpfedavg bounds one client's influence by C / K with equal "
+                      f"weights; set algorithm.weighting = uniform or auto, not {hp.weighting}")
+    try:
+        import opacus.accountants  # noqa: F401
+    except ImportError:
+        errors.append("algorithm.name: dpfedavg accounts its privacy with Opacus's RDP accountant, which is "
+                      "not installed: pip install 'fedddp[dp]' (or pip install opacus)")
+    return errors
 
 
 def _check_control(cfg, local: str) -> list[str]:

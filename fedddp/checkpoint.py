@@ -118,10 +118,13 @@ def identity(cfg: config.Config) -> dict:
 
 
 def identity_changes(saved: dict, now: dict) -> list[str]:
-    """'key old -> new' for every key whose value differs."""
-    unset = "(unset)"
+    """'key old -> new' for every key whose value differs. A key the checkpoint does not name
+    (added to fedddp after it was written) is no change while it keeps its default: a new key's
+    default is the behaviour fedddp had before it."""
+    unset, defaults = "(unset)", identity(config.Config())
     return [f"{key} {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
-            for key in sorted(saved.keys() | now.keys()) if saved.get(key, unset) != now.get(key, unset)]
+            for key in sorted(saved.keys() | now.keys()) if saved.get(key, unset) != now.get(key, unset)
+            and not (key not in saved and key in defaults and now.get(key) == defaults[key])]
 
 
 def save(comm, ckpt_root: str, round_idx: int, server: dict | None,

@@ -57,6 +57,12 @@ class RunConfig:
     overwrite: bool = opt(False, "A fresh run (resume = false) into an out_dir that already holds results "
                                  "(metrics.jsonl, final.pt, checkpoints) is refused; true deletes them "
                                  "first and starts over. Ignored when resuming.")
+    dropout: float = opt(0.0, "Probability that a sampled client fails to report in a round, drawn per "
+                              "(seed, round, client id); it does not train. A round with no reports leaves "
+                              "the model and server state unchanged (metrics.jsonl: num_reports = 0).")
+    deadline_steps: int = opt(0, "Drop (as a straggler) every sampled client whose local steps this round "
+                                 "exceed this many; 0: no deadline. It does not train and its client "
+                                 "state is untouched.")
 
 
 # Keys that may differ between a checkpoint and the run that resumes from it: they do not decide
@@ -136,6 +142,10 @@ class TrainConfig:
     rmsgd_beta: float = opt(0.8, "RMSGD beta (its velocity averaging). RMSGD adapts its per-layer rates "
                                  "between local epochs (epoch_step), so with one local epoch per round "
                                  "and a fresh optimizer it is plain SGD.")
+    local_work_min: int = opt(0, "Uneven local work: > 0 draws each sampled client's local epochs (local "
+                                 "steps when local_steps > 0) every round uniformly from [local_work_min, "
+                                 "local_epochs (local_steps)], per (seed, round, client id). 0: everyone "
+                                 "does local_epochs (steps then scale with the client's size) or local_steps.")
 
 
 @dataclass
@@ -175,6 +185,11 @@ class AlgorithmConfig:
     gam_rho: float = opt(0.02, "FedGAM perturbation radius rho.")
     gam_alpha: float = opt(0.2, "FedGAM weight alpha of the gradient-norm term.")
     smoo_lambda: float = opt(0.1, "FedSMOO dual penalty lambda.")
+    dp_clip: float = opt(0.0, "DP-FedAvg (algorithm.name = dpfedavg): L2 norm C each client's update is "
+                              "clipped to; 0: no DP (the only value other algorithms accept).")
+    dp_noise: float = opt(1.0, "DP-FedAvg noise multiplier z: Gaussian noise of std z C on the sum of the "
+                               "clipped updates.")
+    dp_delta: float = opt(1e-5, "DP-FedAvg: the delta at which metrics.jsonl's epsilon is given.")
 
 
 @dataclass
@@ -348,6 +363,8 @@ def validate(cfg: Config) -> list[str]:
                       "is a classification task (use logistic, mlp, cnn or resnet18)")
     from .algorithms import check_algorithm  # late import: algorithms imports the strategy registry
     errors.extend(check_algorithm(cfg))
+    from .participation import check as check_participation
+    errors.extend(check_participation(cfg))
     return errors
 
 

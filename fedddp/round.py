@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from . import checkpoint, config, outdir, strategies, tasks
+from . import checkpoint, config, outdir, participation, strategies, tasks
 from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
-from .client import ClientContext, train_client
+from .client import ClientContext, planned_steps, train_client
 from .client import rules as local_rules
 from .client.state import open_store as open_client_states
 from .data import ClientData, build as build_data
@@ -36,7 +36,8 @@ SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"
                  ("num_steps_K", "num_steps"), ("full_loss_K", "full_loss"))
 
 
-ALWAYS_PACKED = strategies.ALWAYS | {"train_time_K"}
+# num_steps_K rides along so rank 0 can drop the clients that missed run.deadline_steps.
+ALWAYS_PACKED = strategies.ALWAYS | {"train_time_K", "num_steps_K"}
 
 
 class ReportLayout:
@@ -96,7 +97,9 @@ class Progress:
         eta = elapsed / done * (self.total - round_idx)
         acc = metrics.get(self.metric_key)
         acc_text = f"{self.metric_label} {acc:.4f}" if acc is not None else f"{self.metric_label}   -   "
-        line = (f"round {round_idx}/{self.total} | {acc_text} | train loss {metrics['train_loss']:.4f}"
+        loss = metrics["train_loss"]
+        loss_text = f"{loss:.4f}" if loss is not None else "  -   (no reports)"
+        line = (f"round {round_idx}/{self.total} | {acc_text} | train loss {loss_text}"
                 f" | {elapsed / done:.2f} s/round | ETA {int(eta) // 60}:{int(eta) % 60:02d}")
         if self.tty:
             sys.stderr.write("\r" + line + ("\n" if round_idx == self.total else ""))
@@ -296,8 +299,10 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         t_round = time.perf_counter()
         # -- sample: identical on every rank, no communication ------------------------------
         sampled = sample_clients(cfg.data.num_clients, num_sampled, rc.seed, round_idx)
-        mine = [c for c in sampled if owner(c, comm.world_size) == comm.rank]
-        rows_per_rank, row_order = layout_rows(sampled, comm.world_size)
+        # clients that drop out neither train nor take a row; also drawn identically on every rank
+        reporting = [c for c in sampled if not participation.drops_out(cfg, round_idx, c)]
+        mine = [c for c in reporting if owner(c, comm.world_size) == comm.rank]
+        rows_per_rank, row_order = layout_rows(reporting, comm.world_size)
         # Report buffers live across rounds (fresh ones cost page faults every round); padding
         # rows keep stale values and are never read.
         if rows_buffer.shape[0] < rows_per_rank:
@@ -309,34 +314,52 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         # -- local training of this rank's sampled clients, one after another ----------------
         server_view = {k: state[k] for k in strategy.client_visible}
         for i, cid in enumerate(mine):
+            work = participation.local_work(cfg, round_idx, cid)
+            steps = planned_steps(len(data.train[cid]), cfg.train, work)
+            if rc.deadline_steps and steps > rc.deadline_steps:
+                # a straggler does not train: only its step count travels (its owner alone knows
+                # n_k), and rank 0 leaves its row out
+                rows_MF[i].fill_(math.nan)
+                rows_MF[i, report.slices["num_steps_K"]] = steps
+                rows_MF[i, report.slices["train_time_K"]] = 0.0
+                continue
             layout.unflatten_into(global_P, model)
             ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
                                 client_states.client(cid), task=task)
             out = report.views(rows_MF[i])
             t_client = time.perf_counter()
             train_client(model, ctx, data.train[cid], cfg, rule, needs,
-                         client_seed(rc.seed, round_idx, cid), out)
+                         client_seed(rc.seed, round_idx, cid), out, work)
             out["train_time"] = time.perf_counter() - t_client
             report.pack_scalars(rows_MF[i], out)
 
         # -- gather the reports, ordered by client id ---------------------------------------
         gathered = gather_buffer[:comm.world_size * rows_per_rank] if gather_buffer is not None else None
         rows_KF = comm.gather_rows(rows_MF, gathered)
+        reported = reporting
         if comm.is_main:
             if row_order != list(range(rows_KF.shape[0])):
-                rows_KF = rows_KF[torch.tensor(row_order, device=device)]
+                rows_KF = rows_KF[torch.tensor(row_order, dtype=torch.long, device=device)]
+            train_s_R = _per_rank_seconds(rows_KF[:, report.slices["train_time_K"]][:, 0], reporting,
+                                          comm.world_size)
+            if rc.deadline_steps:
+                keep = participation.reporting_rows(rows_KF[:, report.slices["num_steps_K"]][:, 0],
+                                                    rc.deadline_steps)
+                rows_KF, reported = rows_KF[keep], [reporting[i] for i in keep.tolist()]
         t_gather = time.perf_counter()
 
-        # -- aggregate on rank 0 -------------------------------------------------------------
-        diagnostics = {}
-        if comm.is_main:
+        # -- aggregate on rank 0 (a round without reports leaves model and state as they were) --
+        diagnostics, train_loss = {}, None
+        if comm.is_main and reported:
             stacks = report.unpack(rows_KF) | static
             global_P, state, diagnostics = strategy.aggregate(global_P, stacks, state, cfg.algorithm)
             train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
-            train_s_R = _per_rank_seconds(stacks["train_time_K"], sampled, comm.world_size)
+        if comm.is_main and strategy.ledger is not None:
+            diagnostics.update(strategy.ledger(state, static, cfg.algorithm))
         # -- divergence: a non-finite model or loss ends the run before this round writes anything
         error = None
-        if comm.is_main and not (math.isfinite(train_loss) and bool(torch.isfinite(global_P).all())):
+        if comm.is_main and not ((train_loss is None or math.isfinite(train_loss))
+                                 and bool(torch.isfinite(global_P).all())):
             error = _diverged(cfg, round_idx, train_loss, global_P, last_ckpt)
         _agree_with_rank_zero(comm, error)
         t_agg = time.perf_counter()
@@ -375,7 +398,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
                     "train_s": max(train_s_R), "train_imbalance_s": max(train_s_R) - min(train_s_R),
                     "communicate_s": max(0.0, (t_gather - t_round) - max(train_s_R)) + (t_bcast - t_agg),
                     "aggregate_s": t_agg - t_gather, "evaluate_s": t_eval - t_bcast,
-                    "checkpoint_s": t_ckpt - t_eval, "clients": sampled}
+                    "checkpoint_s": t_ckpt - t_eval, "clients": sampled, "num_reports": len(reported),
+                    "dropped": sorted(set(sampled) - set(reported))}
             line.update({k: _to_json(v) for k, v in diagnostics.items()})
             line = {k: _finite_or_null(v) for k, v in line.items()}
             with outdir.disk_full_is_one_line("metrics.jsonl", rc.out_dir, last_ckpt), \
@@ -400,8 +424,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
 
 def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:
     """Stacks that are not client reports but fixed for the run: conv_runs_R3 (FedER),
-    param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO) and
-    client_momentum (FedNova's rho)."""
+    param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO, DP-FedAvg),
+    client_momentum (FedNova's rho), num_sampled and noise_seed (DP-FedAvg)."""
     static = {}
     if "conv_runs_R3" in needs:
         static["conv_runs_R3"] = layout.conv_runs_R3().to(device)
@@ -411,6 +435,10 @@ def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[st
         static["num_clients"] = torch.tensor(float(cfg.data.num_clients), device=device)
     if "client_momentum" in needs:
         static["client_momentum"] = torch.tensor(float(cfg.train.momentum), device=device)
+    if "num_sampled" in needs:
+        static["num_sampled"] = torch.tensor(float(cfg.num_sampled()), device=device)
+    if "noise_seed" in needs:
+        static["noise_seed"] = torch.tensor(cfg.run.seed, dtype=torch.int64)
     return static
 
 

@@ -39,17 +39,26 @@ def _batches_per_epoch(n: int, batch_size: int) -> int:
     return 1 if batch_size <= 0 else -(-n // batch_size)
 
 
+def planned_steps(n: int, tc, work: int = 0) -> int:
+    """Local optimizer steps of a client with n samples: ``work`` local epochs (local steps when
+    train.local_steps > 0; 0: the configured ones, fedddp.participation draws uneven ones)."""
+    if tc.local_steps > 0:
+        return work or tc.local_steps
+    return (work or tc.local_epochs) * _batches_per_epoch(n, n if tc.batch_size <= 0 else min(tc.batch_size, n))
+
+
 def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRule, needs: frozenset,
-                 seed: int, out: dict[str, torch.Tensor]) -> None:
+                 seed: int, out: dict[str, torch.Tensor], work: int = 0) -> None:
     """Train ``model`` (already holding global_P) on ``data`` and write the report into ``out``:
     views into the gather buffer (``params_P`` and any of ``last_grad_P``, ``full_grad_P``), plus
-    scalars ``train_loss``, ``num_samples``, ``num_steps``, ``full_loss`` and ``eff_rank_L``."""
+    scalars ``train_loss``, ``num_samples``, ``num_steps``, ``full_loss`` and ``eff_rank_L``.
+    ``work``: this round's local epochs (steps) of the client, see ``planned_steps``."""
     tc = cfg.train
     device = ctx.global_P.device
     n = len(data)
     batch_size = n if tc.batch_size <= 0 else min(tc.batch_size, n)
     per_epoch = _batches_per_epoch(n, batch_size)
-    total_steps = tc.local_steps if tc.local_steps > 0 else tc.local_epochs * per_epoch
+    total_steps = planned_steps(n, tc, work)
     epochs_before = (ctx.round_idx - 1) * tc.local_epochs
 
     model.train()

@@ -26,6 +26,8 @@ Static entries, fixed for the run and not client reports, added when a rule name
   param_mask_P     bool    [P]     True for parameters, False for buffers          (FedSMOO)
   num_clients      float32 []      N, all clients                       (SCAFFOLD, FedSMOO)
   client_momentum  float32 []      the clients' SGD momentum rho                    (FedNova)
+  num_sampled      float32 []      K as configured, whatever the number of reports (DP-FedAvg)
+  noise_seed       int64   []      run.seed, for the server's noise                 (DP-FedAvg)
 
 ``state`` is a dict of tensors owned by rank 0 and checkpointed; ``init_state(global_P, hp)``
 makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``. ``diagnostics`` is a dict of
@@ -66,6 +68,9 @@ class Strategy:
     # is then the widest set, for documentation)
     needs_fn: Callable[[object], frozenset[str]] | None = None
     doc: str = ""
+    # ledger(state, static_stacks, hp) -> diagnostics describing the state itself, written every
+    # round, also one without reports that leaves the state as it was (DP-FedAvg's epsilon)
+    ledger: Callable[[State, Stacks, object], dict] | None = None
 
     def needs_for(self, hp) -> frozenset[str]:
         return self.needs_fn(hp) if self.needs_fn is not None else self.needs
@@ -120,3 +125,4 @@ def min_agreeing(fraction: float, num_clients: int) -> int:
 from . import fedavg  # noqa: E402,F401
 from . import fedmom, fedcong, fedgma, cgw, feder  # noqa: E402,F401
 from . import scaffold, fednova, fedsmoo  # noqa: E402,F401
+from . import dpfedavg  # noqa: E402,F401
