@@ -144,7 +144,7 @@ def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch)
         assert time.monotonic() < deadline, errors[-3000:]
         time.sleep(1)
     assert [row["round"] for row in metrics(out / "seed=1")] == [1, 2, 3]
-    assert sorted(os.listdir(out)) == ["base.toml", "seed=0", "seed=1"]
+    assert sorted(os.listdir(out)) == ["base.toml", "logs", "seed=0", "seed=1"]  # logs/sweep.log: provenance
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "sweeps", "*.toml"))),
