@@ -22,7 +22,7 @@ from .client import ClientContext, train_client
 from .client import rules as local_rules
 from .client.state import open_store as open_client_states
 from .data import ClientData, build as build_data
-from .data.build import LazyClients
+from .data.build import BUILT_WHOLE, LazyClients
 from .errors import ConfigError, DataError, DivergenceError, UserError
 from .flat import FlatLayout
 from .models import build_model
@@ -234,8 +234,9 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     # -- data: the clients this rank may train; a client's tensors are made when it first trains
     # Local rules without per-client state balance each round's clients over ranks by cost, so
     # any rank may train any client; a rule with state trains each client on its owner rank,
-    # where the state lives (docs/architecture.md, "Which rank trains a client").
-    balanced = not rule.client_state
+    # where the state lives, and so do data sets built whole (docs/architecture.md, "Which rank
+    # trains a client").
+    balanced = not rule.client_state and cfg.data.name not in BUILT_WHOLE
     owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
     error = None
     try:
