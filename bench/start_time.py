@@ -56,7 +56,8 @@ def main() -> None:
     print(f"{args.repeats} alternating pairs; 1-minute load average {load_before:.2f} before, {load_after:.2f} after\n")
     print("| command | wall s (median) | CPU s (median) |")
     print("|---|---|---|")
-    print(f"| python -c \"import torch\" | {med([w for w, _ in torch_runs]):.2f} | {med([c for _, c in torch_runs]):.2f} |")
+    print(f"| python -c \"import torch\" | {med([w for w, _ in torch_runs]):.2f} "
+          f"| {med([c for _, c in torch_runs]):.2f} |")
     print(f"| python -m fedddp configs/quickstart.toml run.rounds=1 | {med([w for w, _ in run_runs]):.2f} "
           f"| {med([c for _, c in run_runs]):.2f} |")
     wall_diff = med([r[0] - t[0] for t, r in zip(torch_runs, run_runs)])

@@ -23,8 +23,8 @@ _HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generat
 
 # Data sets whose loaders make every requested client's float tensors when they build: asked for
 # every client, each rank would hold the whole training set as float32 (FEMNIST: every writer's
-# images), so their clients train on their owner rank. The others make a client on first use (the image
-# sets, LazyClients) or are small (synthetic, CMAPSS), and any rank may train any client.
+# images), so their clients train on their owner rank. The others make a client on first use
+# (the image sets, LazyClients) or are small (synthetic, CMAPSS): any rank may train any client.
 BUILT_WHOLE = frozenset({"femnist", "colored_mnist"})
 
 
