@@ -1,11 +1,13 @@
-"""Seconds per round phase, and the share of round time spent outside local training.
+"""Seconds per round phase, the speed-up over one rank, and the time ranks wait for each other.
 
-Runs real experiments (``python -m fedddp`` / real ``torchrun``) and reads their metrics.jsonl:
-the quickstart, and the seed-002 CNN on the real MNIST test split (8,000 / 2,000, 10 clients,
-Dirichlet 0.3), each with 1 and 2 ranks. Round 1 is left out of the means (warm-up: first
-allocations, lazy imports).
+Runs real experiments (``python -m fedddp`` / real ``torchrun``, one thread per rank) and reads
+their metrics.jsonl: the quickstart, and the seed-002 CNN on the real MNIST test split (8,000 /
+2,000, 10 uneven clients, Dirichlet 0.3), each with 1, 2 and 4 ranks (a rank count above the
+machine's cores is reported as not measured: ranks would share cores). Round 1 is left out of
+the means (warm-up: first allocations, lazy imports). The load average is printed beside each
+row: the machine may be shared.
 
-    python bench/round_phases.py [--rounds 10] [--data-root ../shared/data]
+    python bench/round_phases.py [--rounds 10] [--ranks 1,2,4] [--data-root ../shared/data]
 """
 
 from __future__ import annotations
@@ -35,28 +37,45 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--data-root", default=os.path.join(REPO, "..", "shared", "data"))
+    parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    parser.add_argument("--only", choices=("quickstart", "cnn"), help="one workload")
     args = parser.parse_args()
+    rank_counts = [int(r) for r in args.ranks.split(",")]
     workloads = [
         ("quickstart (synthetic, logistic)", "configs/quickstart.toml", []),
         ("CNN, real MNIST t10k 8k/2k, Dir(0.3)", "configs/mnist_cnn.toml", [f"data.root={args.data_root}"]),
     ]
-    print(f"rounds {args.rounds} (round 1 excluded), eval every 5 rounds, no checkpoints\n")
+    if args.only:
+        workloads = [w for w in workloads if w[1].endswith(f"{args.only}.toml") or args.only in w[1]]
+    cores = len(os.sched_getaffinity(0))
+    print(f"rounds {args.rounds} (round 1 excluded), eval every 5 rounds, no checkpoints, {cores} cores\n")
     print("train s is the slowest rank's local training (the critical path); imbalance is slowest minus")
-    print("fastest rank. 'outside training' = 1 - train / round; 'excl. eval' leaves evaluation out.\n")
-    print("| workload | ranks | round s | train s | imbalance s | communicate s | aggregate s | evaluate s "
-          "| outside training | excl. eval |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("fastest rank; 'waiting' = imbalance / train, the share of training the fastest rank waits.")
+    print("'speed-up' = 1-rank round / this round. 'outside training' = 1 - train / round; 'excl. eval'")
+    print("leaves evaluation out. 'load' = the 1-minute load average after the run.\n")
+    print("| workload | ranks | round s | speed-up | train s | imbalance s | waiting | communicate s | aggregate s "
+          "| evaluate s | outside training | excl. eval | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, config, extra in workloads:
-        for nproc in (1, 2):
+        one_rank = None
+        for nproc in rank_counts:
+            if nproc > cores:
+                print(f"| {name} | {nproc} | not measured: needs {nproc} cores, this machine has {cores} |"
+                      + " |" * 10, flush=True)
+                continue
             with tempfile.TemporaryDirectory() as out:
                 rows = run(config, nproc, out, extra + [f"run.rounds={args.rounds}", "run.eval_every=5",
                                                         "run.ckpt_every=0"])[1:]
             mean = {k: sum(r[k] for r in rows) / len(rows) for k in PHASES + ("time_s",)}
+            one_rank = mean["time_s"] if nproc == 1 else one_rank
+            speedup = f"{one_rank / mean['time_s']:.2f}x" if one_rank else "-"
             outside = 1.0 - mean["train_s"] / mean["time_s"]
             no_eval = 1.0 - mean["train_s"] / (mean["time_s"] - mean["evaluate_s"])
-            print(f"| {name} | {nproc} | {mean['time_s']:.4f} | {mean['train_s']:.4f} | "
-                  f"{mean['train_imbalance_s']:.4f} | {mean['communicate_s']:.4f} | {mean['aggregate_s']:.5f} | "
-                  f"{mean['evaluate_s']:.4f} | {100 * outside:.2f}% | {100 * no_eval:.2f}% |")
+            waiting = mean["train_imbalance_s"] / mean["train_s"]
+            print(f"| {name} | {nproc} | {mean['time_s']:.4f} | {speedup} | {mean['train_s']:.4f} | "
+                  f"{mean['train_imbalance_s']:.4f} | {100 * waiting:.1f}% | {mean['communicate_s']:.4f} | "
+                  f"{mean['aggregate_s']:.5f} | {mean['evaluate_s']:.4f} | {100 * outside:.2f}% | "
+                  f"{100 * no_eval:.2f}% | {os.getloadavg()[0]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

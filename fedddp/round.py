@@ -22,10 +22,11 @@ from .client import ClientContext, planned_steps, train_client
 from .client import rules as local_rules
 from .client.state import open_store as open_client_states
 from .data import ClientData, build as build_data
+from .data.build import BUILT_WHOLE, LazyClients
 from .errors import ConfigError, DataError, DivergenceError, UserError
 from .flat import FlatLayout
 from .models import build_model
-from .sampling import client_seed, layout_rows, owned_clients, owner, sample_clients
+from .sampling import assign_clients, client_seed, expected_cost, layout_rows, owned_clients, sample_clients
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
 VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"),
@@ -233,17 +234,25 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     rule = local_rules.get(local_name)
     needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
 
-    # -- data: only this rank's clients are materialised ------------------------------------
+    # -- data: the clients this rank may train; a client's tensors are made when it first trains
+    # Local rules without per-client state balance each round's clients over ranks by cost, so
+    # any rank may train any client; a rule with state trains each client on its owner rank,
+    # where the state lives, and so do data sets built whole (docs/architecture.md, "Which rank
+    # trains a client").
+    balanced = not rule.client_state and cfg.data.name not in BUILT_WHOLE
     owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
     error = None
     try:
-        data = build_data(cfg, cfg.data.seed, owned)
+        data = build_data(cfg, cfg.data.seed, list(range(cfg.data.num_clients)) if balanced else owned)
     except DataError as exc:
         error = exc
     _agree_on_failure(comm, error)
     if device.type != "cpu":
-        data.train = {c: ClientData(d.x.to(device), d.y.to(device)) for c, d in data.train.items()}
-        data.test = ClientData(data.test.x.to(device), data.test.y.to(device))
+        to_device = lambda d: ClientData(d.x.to(device), d.y.to(device))  # noqa: E731
+        data.train = data.train.mapped(to_device) if isinstance(data.train, LazyClients) else \
+            {c: to_device(d) for c, d in data.train.items()}
+        data.test = to_device(data.test)
+    cost_K = [expected_cost(n, cfg.train) for n in data.num_samples]
 
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
@@ -301,8 +310,9 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         sampled = sample_clients(cfg.data.num_clients, num_sampled, rc.seed, round_idx)
         # clients that drop out neither train nor take a row; also drawn identically on every rank
         reporting = [c for c in sampled if not participation.drops_out(cfg, round_idx, c)]
-        mine = [c for c in reporting if owner(c, comm.world_size) == comm.rank]
-        rows_per_rank, row_order = layout_rows(reporting, comm.world_size)
+        per_rank = assign_clients(reporting, cost_K.__getitem__, comm.world_size, balanced)
+        mine = per_rank[comm.rank]
+        rows_per_rank, row_order = layout_rows(reporting, comm.world_size, per_rank)
         # Report buffers live across rounds (fresh ones cost page faults every round); padding
         # rows keep stale values and are never read.
         if rows_buffer.shape[0] < rows_per_rank:
@@ -325,7 +335,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
                 continue
             layout.unflatten_into(global_P, model)
             ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
-                                client_states.client(cid), task=task)
+                                client_states.client(cid) if not balanced else {}, task=task)
             out = report.views(rows_MF[i])
             t_client = time.perf_counter()
             train_client(model, ctx, data.train[cid], cfg, rule, needs,
@@ -341,7 +351,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
             if row_order != list(range(rows_KF.shape[0])):
                 rows_KF = rows_KF[torch.tensor(row_order, dtype=torch.long, device=device)]
             train_s_R = _per_rank_seconds(rows_KF[:, report.slices["train_time_K"]][:, 0], reporting,
-                                          comm.world_size)
+                                          per_rank)
             if rc.deadline_steps:
                 keep = participation.reporting_rows(rows_KF[:, report.slices["num_steps_K"]][:, 0],
                                                     rc.deadline_steps)
@@ -442,10 +452,11 @@ def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[st
     return static
 
 
-def _per_rank_seconds(train_time_K: torch.Tensor, sampled: list[int], world_size: int) -> list[float]:
-    seconds = [0.0] * world_size
+def _per_rank_seconds(train_time_K: torch.Tensor, sampled: list[int], per_rank: list[list[int]]) -> list[float]:
+    rank_of = {c: r for r, clients in enumerate(per_rank) for c in clients}
+    seconds = [0.0] * len(per_rank)
     for cid, sec in zip(sampled, train_time_K.tolist()):
-        seconds[owner(cid, world_size)] += sec
+        seconds[rank_of[cid]] += sec
     return seconds
 
 

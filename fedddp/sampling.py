@@ -1,8 +1,9 @@
-"""Which clients train in a round, which rank owns which client, and the seeds they use.
+"""Which clients train in a round, which rank trains which client, and the seeds they use.
 
-Everything here is a pure function of (seed, round, client id): every rank computes the same
-sample without communicating, and a client's randomness does not depend on the rank that
-trains it. That is what makes a run bitwise the same for any number of ranks.
+Everything here is a pure function of (seed, round, client id) and the clients' sample counts:
+every rank computes the same sample and the same assignment without communicating, and a
+client's randomness does not depend on the rank that trains it. That is what makes a run
+bitwise the same for any number of ranks.
 """
 
 from __future__ import annotations
@@ -45,10 +46,38 @@ def client_seed(seed: int, round_idx: int, client_id: int) -> int:
     return _mix(_CLIENT_STREAM, seed, round_idx, client_id)
 
 
-def layout_rows(sampled: list[int], world_size: int) -> tuple[int, list[int]]:
+def expected_cost(num_samples: int, tc) -> int:
+    """Samples a client's local training processes in a round (``tc``: the train config): the
+    unit of work by which clients are balanced over ranks."""
+    if tc.local_steps > 0:
+        return tc.local_steps * (num_samples if tc.batch_size <= 0 else min(tc.batch_size, num_samples))
+    return tc.local_epochs * num_samples
+
+
+def assign_clients(sampled: list[int], cost_of, world_size: int, balanced: bool) -> list[list[int]]:
+    """The sampled clients each rank trains this round, each rank's in client-id order.
+
+    balanced: longest first onto the least-loaded rank (``cost_of(client id)``; ties go to the
+    smaller client id, then the lower rank), so ranks finish together however uneven the
+    clients are. Otherwise each client goes to its owner (``client_id % world_size``), for local
+    rules that keep per-client state on the owner rank."""
+    if not balanced:
+        return [[c for c in sampled if owner(c, world_size) == r] for r in range(world_size)]
+    per_rank, load_R = [[] for _ in range(world_size)], [0] * world_size
+    for cid in sorted(sampled, key=lambda c: (-cost_of(c), c)):
+        r = min(range(world_size), key=lambda q: (load_R[q], q))
+        per_rank[r].append(cid)
+        load_R[r] += cost_of(cid)
+    return [sorted(p) for p in per_rank]
+
+
+def layout_rows(sampled: list[int], world_size: int,
+                per_rank: list[list[int]] | None = None) -> tuple[int, list[int]]:
     """Rows per rank M (ranks with fewer sampled clients pad) and, for the gathered
-    [world_size * M] rows, the row index of each sampled client in client-id order."""
-    per_rank = [[c for c in sampled if owner(c, world_size) == r] for r in range(world_size)]
+    [world_size * M] rows, the row index of each sampled client in client-id order.
+    ``per_rank``: the round's assignment (``assign_clients``); by default ownership."""
+    if per_rank is None:
+        per_rank = assign_clients(sampled, None, world_size, balanced=False)
     rows_per_rank = max(1, max(len(p) for p in per_rank))
     row_of = {c: r * rows_per_rank + i for r, p in enumerate(per_rank) for i, c in enumerate(p)}
     return rows_per_rank, [row_of[c] for c in sampled]

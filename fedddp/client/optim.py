@@ -27,6 +27,23 @@ from __future__ import annotations
 import torch
 
 
+def _eager(cls: type) -> type:
+    """``cls`` without the wrappers by which torch.optim keeps its code out of torch.compile
+    graphs: the first call of any of them imports torch._dynamo (about 5 s on a 2-core machine,
+    longer than ``import torch``). fedddp never compiles. Methods under ``torch._disable_dynamo``
+    become the plain function (what that wrapper caches on its first call), and step its own
+    body under no_grad: with ``differentiable=False`` that is all its wrapper does besides the
+    graph break, so the updates are bitwise the same (tests/test_fast_start.py)."""
+    guard_code = torch._disable_dynamo(_eager).__code__
+    plain = {name: fn.__wrapped__ for name in dir(cls)
+             if getattr(fn := getattr(cls, name), "__code__", None) is guard_code}
+    plain["step"] = torch.no_grad()(cls.step.__wrapped__)  # the body under _use_grad_for_differentiable
+    return type(cls.__name__, (cls,), plain | {"__module__": __name__})
+
+
+_SGD, _Adam = _eager(torch.optim.SGD), _eager(torch.optim.Adam)
+
+
 def lr_at(tc, round_idx: int, epochs_done: int) -> float:
     if tc.lr_schedule == "none":
         return tc.lr
@@ -37,9 +54,9 @@ def lr_at(tc, round_idx: int, epochs_done: int) -> float:
 def build_optimizer(tc, params, lr: float) -> torch.optim.Optimizer:
     params = list(params)
     if tc.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+        return _SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     if tc.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=tc.weight_decay)
+        return _Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=tc.weight_decay)
     if tc.optimizer == "adamp":
         from adamp import AdamP
         return AdamP(params, lr=lr, betas=(0.9, 0.999), delta=0.1, wd_ratio=0.1,

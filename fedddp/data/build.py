@@ -2,14 +2,17 @@
 is the data seed (``data.seed``), never the run seed, so a run seed changes only training.
 
 Every rank reads the label arrays and computes the same partition (seeded, pure), so it knows
-every client's sample count; it turns into float tensors only the images of the clients it owns,
-plus the global test set. Normalisation is elementwise, so a client's tensors are bitwise the same
-whichever rank builds them.
+every client's sample count; it turns a client's images into float tensors only when the client
+first trains on it (``LazyClients``), and only for ``owned_ids``, plus the global test set.
+Normalisation is elementwise, so a client's tensors are bitwise the same whichever rank builds
+them.
 
 Legend: N images, C channels, H x W pixels.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -18,6 +21,12 @@ from . import ClientData, FederatedData, cmapss, colored, idx, leaf, partition, 
 from ..errors import ConfigError, DataError
 
 _HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generator
+
+# Data sets whose loaders make every requested client's float tensors when they build: asked for
+# every client, each rank would hold the whole training set as float32 (FEMNIST: every writer's
+# images), so their clients train on their owner rank. The others make a client on first use
+# (the image sets, LazyClients) or are small (synthetic, CMAPSS): any rank may train any client.
+BUILT_WHOLE = frozenset({"femnist", "colored_mnist"})
 
 
 def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
@@ -58,13 +67,40 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
     parts = _partition(labels_N, data, seed)
     if data.name == "colored_mnist":  # partitioned by digit, whatever label the variant predicts
         return colored.build(data, seed, train, test, parts, owned_ids)
-    owned = set(owned_ids)
-    train_data = {k: ClientData(to_tensor(images_NCHW[parts[k]], mean_C, std_C),
-                                torch.from_numpy(labels_N[parts[k]]))
-                  for k in sorted(owned)}
+    train_data = LazyClients(lambda k: ClientData(to_tensor(images_NCHW[parts[k]], mean_C, std_C),
+                                                  torch.from_numpy(labels_N[parts[k]])), owned_ids)
     return FederatedData(num_classes=num_classes, input_shape=tuple(images_NCHW.shape[1:]),
                          num_samples=[len(p) for p in parts], train=train_data,
                          test=ClientData(to_tensor(test[0], mean_C, std_C), torch.from_numpy(test[1])))
+
+
+class LazyClients(Mapping):
+    """{client id: ClientData} whose tensors are made on first access and then kept: a rank that
+    may train any client pays only for those it has trained (the uint8 source stays in RAM)."""
+
+    def __init__(self, make: Callable[[int], ClientData], ids: Iterable[int]):
+        self._make, self._ids, self._made = make, sorted(set(ids)), {}
+        self._id_set = set(self._ids)
+
+    def __getitem__(self, cid: int) -> ClientData:
+        if cid not in self._made:
+            if cid not in self._id_set:
+                raise KeyError(cid)
+            self._made[cid] = self._make(cid)
+        return self._made[cid]
+
+    def __iter__(self):
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, cid) -> bool:
+        return cid in self._id_set
+
+    def mapped(self, fn: Callable[[ClientData], ClientData]) -> "LazyClients":
+        """The same clients with ``fn`` applied on first access (e.g. a move to the GPU)."""
+        return LazyClients(lambda cid: fn(self._make(cid)), self._ids)
 
 
 def holdout_split(split, fraction: float, seed: int):

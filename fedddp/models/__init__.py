@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torchvision
 from torch import nn
 
 
@@ -72,6 +71,8 @@ def ffnn(input_shape, num_outputs: int = 1) -> Net:
 def resnet18(input_shape, num_classes) -> Net:
     """torchvision's ResNet-18 with the CIFAR stem: a 3x3 stride-1 first conv and no max pool
     (the 7x7/stride-2 ImageNet stem throws away most of a 32x32 image)."""
+    import torchvision.models  # late: its import pulls in torch._dynamo (seconds); only ResNet needs it
+
     net = torchvision.models.resnet18(num_classes=num_classes)
     net.conv1 = nn.Conv2d(input_shape[0], 64, kernel_size=3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()
