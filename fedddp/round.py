@@ -327,8 +327,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
             work = participation.local_work(cfg, round_idx, cid)
             steps = planned_steps(len(data.train[cid]), cfg.train, work)
             if rc.deadline_steps and steps > rc.deadline_steps:
-                # a straggler does not train: only its step count travels (its owner alone knows
-                # n_k), and rank 0 leaves its row out
+                # a straggler does not train: only its step count travels, and rank 0 leaves its
+                # row out (one filter on rank 0 for the deadline, beside the drawn dropouts)
                 rows_MF[i].fill_(math.nan)
                 rows_MF[i, report.slices["num_steps_K"]] = steps
                 rows_MF[i, report.slices["train_time_K"]] = 0.0
