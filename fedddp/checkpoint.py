@@ -38,7 +38,7 @@ import zlib
 import torch
 
 from . import config
-from .errors import DataError
+from .errors import DataError, os_error_in
 
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
@@ -149,7 +149,7 @@ def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
             files = {"server.pt": atomic_save(server, os.path.join(folder, "server.pt"))}
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others know
         error = exc
-        entry_R3[comm.rank, 0] = getattr(_os_error(exc), "errno", None) or -1
+        entry_R3[comm.rank, 0] = getattr(os_error_in(exc), "errno", None) or -1
     comm.all_reduce_sum_(entry_R3)
     if error is not None:
         raise error
@@ -168,12 +168,6 @@ def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
         _prune(ckpt_root, round_idx, keep)
     comm.barrier()
     return folder
-
-
-def _os_error(exc: BaseException | None) -> OSError | None:
-    while exc is not None and not isinstance(exc, OSError):
-        exc = exc.__cause__ or exc.__context__
-    return exc
 
 
 def _prune(ckpt_root: str, round_idx: int, keep: int) -> None:

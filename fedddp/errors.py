@@ -6,6 +6,14 @@ of exit statuses is in README.md). Everything else (our own bugs) keeps its trac
 """
 
 
+def os_error_in(exc: BaseException | None) -> OSError | None:
+    """The first OSError in an exception's chain (torch.save reports a failed write as a
+    RuntimeError with the OSError as its cause), or None."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
 class UserError(Exception):
     exit_code = 1
 

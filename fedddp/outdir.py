@@ -18,7 +18,7 @@ import shutil
 import socket
 import sys
 
-from .errors import ConfigError, DiskFullError
+from .errors import ConfigError, DiskFullError, os_error_in
 
 LOCK = ".lock"
 # What a finished or interrupted run leaves; a fresh run into a folder holding any is refused.
@@ -105,12 +105,8 @@ def refuse_or_clear(out_dir: str, overwrite: bool) -> None:
 
 
 def _full_disk(exc: BaseException) -> OSError | None:
-    # torch.save reports a failed write as a RuntimeError with the OSError in its chain
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+    error = os_error_in(exc)
+    return error if error is not None and error.errno in (errno.ENOSPC, errno.EDQUOT) else None
 
 
 def _mount_point(path: str) -> str:
