@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from fedddp import checkpoint, config
+from fedddp import algorithms, checkpoint, config, plugins, strategies
+from fedddp.client import rules
 from fedddp.__main__ import main
 from fedddp.strategies import kernels
 from fedrun import REPO, assert_same_state, final_state, metrics, run_fedddp
@@ -21,9 +22,13 @@ SHORT = ["run.rounds=3", "run.clients_per_round=4", "run.eval_every=3"]
 
 @pytest.fixture(autouse=True)
 def in_repo(monkeypatch):
-    """Import paths resolve from the working directory: the repository root, as in the README."""
+    """Import paths resolve from the working directory: the repository root, as in the README.
+    The registries the plugins join are restored after each test, so no other test sees them."""
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "path", list(sys.path))
+    for module, name in ((strategies, "REGISTRY"), (algorithms, "ALGORITHMS"), (algorithms, "WEIGHTING"),
+                         (rules, "RULES"), (plugins, "_objects")):
+        monkeypatch.setattr(module, name, dict(getattr(module, name)))
 
 
 def run_main(capsys, args: list[str]) -> tuple[int, list[str]]:
@@ -208,3 +213,10 @@ def test_an_import_path_that_fails_is_one_line(tmp_path, capsys, monkeypatch, ov
     (tmp_path / "broken_plugin_mod.py").write_text("def f(:\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     refused(capsys, ["--check", override, f"run.out_dir={tmp_path / 'out'}"], 2, *words)
+
+
+def test_a_sweep_axis_over_a_rule_param(tmp_path):
+    from fedddp import sweep
+
+    _, _, points = sweep.plan(EXAMPLE, ["algorithm.params.trim=0.1,0.5"], str(tmp_path))
+    assert [p.cfg.algorithm.params for p in points] == [{"clip": 5.0, "trim": 0.1}, {"clip": 5.0, "trim": 0.5}]
