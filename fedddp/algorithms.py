@@ -172,7 +172,8 @@ def _check_control(cfg, local: str) -> list[str]:
 def check_algorithm(cfg) -> list[str]:
     name = cfg.algorithm.name
     if name not in ALGORITHMS:
-        return [f"algorithm.name: unknown algorithm {name!r} (valid: {', '.join(ALGORITHMS)})"]
+        return [f"algorithm.name: unknown algorithm {name!r} (valid: {', '.join(ALGORITHMS)}, or module:attr, "
+                "your server rule: docs/extending.md)"]
     _, server = ALGORITHMS[name]
     if server not in strategies.REGISTRY:
         return [f"algorithm.name: {name!r} needs the server rule {server!r}, which is not available"]

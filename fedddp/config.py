@@ -360,7 +360,8 @@ def validate(cfg: Config) -> list[str]:
             if f.metadata.get("plugin") and plugins.is_path(value):
                 continue
             if choices and value not in choices:
-                errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}")
+                own = ", or module:attr (docs/extending.md)" if f.metadata.get("plugin") else ""
+                errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}{own}")
     positive = ["run.rounds", "run.eval_every", "run.num_threads", "run.collective_timeout_s", "data.num_clients", "data.shards_per_client",
                 "train.lr_step_size", "model.hidden"]
     non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
