@@ -87,6 +87,13 @@ def test_plugin_server_rule_runs_in_torch_ops(tmp_path, capsys, monkeypatch):
     assert kernels.lib(torch.zeros(2, 3), rule="fedavg") is not None  # forced only inside the rule
 
 
+def test_a_plugin_server_rule_pairs_with_plain_clients_and_sample_weights_by_default():
+    path = "examples.my_plugin:TRIMMED_MEAN"
+    cfg = config.load(None, PLUGIN_DATA + [f"algorithm.name={path}"])
+    assert algorithms.resolve(cfg) == ("plain", path) and cfg.algorithm.weighting == "samples"
+    assert algorithms.describe(cfg) == f"{path}: plain clients, {path} server rule, samples weights"
+
+
 # -- what FedER and MOON need of the model, read from the built model ------------------------
 
 class FlatNet(nn.Module):
