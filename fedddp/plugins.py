@@ -40,7 +40,8 @@ def _import(path: str, key: str):
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any failure of the user's module is one line
-        raise ConfigError(f"{key}: cannot import {module_name!r} for {path!r} ({type(exc).__name__}: {exc}); "
+        cause = " ".join(str(exc).split())  # one line, whatever the module raised
+        raise ConfigError(f"{key}: cannot import {module_name!r} for {path!r} ({type(exc).__name__}: {cause}); "
                           f"it is looked up on sys.path from the working directory {cwd}") from None
     obj = module
     for part in attr.split("."):

@@ -192,16 +192,19 @@ def test_params_defaults_are_filled_in_and_an_int_is_taken_for_a_float():
     assert tomllib.loads(config.dumps(cfg))["algorithm"]["params"] == {"trim": 0.5, "clip": 1.0}
 
 
-def test_resume_refuses_a_changed_rule_param(tmp_path, capsys):
-    """[algorithm.params] is part of the run identity: a resume with another trim is refused."""
-    out = f"run.out_dir={tmp_path}"
-    assert run_main(capsys, [EXAMPLE, out, "run.rounds=2", "run.clients_per_round=3", "run.ckpt_every=1",
-                             "run.stop_after=1"])[0] == 0
-    refused(capsys, [EXAMPLE, out, "run.rounds=2", "run.clients_per_round=3", "run.ckpt_every=1",
-                     "run.resume=true", "algorithm.params.trim=0.4"], 2,
+def test_resume_with_plugins_is_exact_and_refuses_a_changed_rule_param(tmp_path, capsys):
+    """[algorithm.params] is part of the run identity: a resume with another trim is refused; with
+    the same one it ends with the uninterrupted run's model."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = [EXAMPLE, "run.rounds=3", "run.clients_per_round=3", "run.ckpt_every=1"]
+    assert run_main(capsys, common + [f"run.out_dir={full}"])[0] == 0
+    assert run_main(capsys, common + [f"run.out_dir={part}", "run.stop_after=2"])[0] == 0
+    refused(capsys, common + [f"run.out_dir={part}", "run.resume=true", "algorithm.params.trim=0.4"], 2,
             "run.resume", "algorithm.params", "0.2", "0.4")
-    saved = checkpoint.identity(config.load(EXAMPLE, []))
-    assert saved["algorithm.params"] == {"trim": 0.2, "clip": 5.0}
+    status, lines = run_main(capsys, common + [f"run.out_dir={part}", "run.resume=true"])
+    assert status == 0, lines
+    assert_same_state(final_state(full), final_state(part))
+    assert checkpoint.identity(config.load(EXAMPLE, []))["algorithm.params"] == {"trim": 0.2, "clip": 5.0}
 
 
 # -- import paths that fail: one line, exit 2 ------------------------------------------------
