@@ -5,8 +5,8 @@
   python -m fedddp --check configs/quickstart.toml [section.key=value ...]    check, run nothing
   python -m fedddp --help                                                     every config key
 
---check reads the config and builds every client's data in this one process (what all ranks
-together would load), then says OK or exits with the status the run would: the launchers run it
+--check reads the config and builds every client's data and the model in this one process
+(what all ranks together would load), then says OK or exits with the status the run would: the launchers run it
 before they start any rank.
 
 Exit status: 0 done; 2 bad configuration; 3 data missing, unreadable or not finite; 4 the model
@@ -88,8 +88,10 @@ def check(path: str | None, overrides: list[str], data: bool = True) -> config.C
         refuse_fresh_run(cfg.run.out_dir, cfg.run.overwrite)
     if data:
         from .data import build
+        from .models import build_model
 
-        build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
+        built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
+        build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
     return cfg
 
 

@@ -109,9 +109,7 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
             errors.append(f"algorithm.moon_tau: must be > 0, got {cfg.algorithm.moon_tau}")
         if cfg.algorithm.moon_proj_dim < 0:
             errors.append(f"algorithm.moon_proj_dim: must be >= 0, got {cfg.algorithm.moon_proj_dim}")
-        if tasks.of_data(cfg.data.name) == "regression":
-            # MOON's projection head sits between the features and a classifier, and its
-            # contrastive term is part of a cross-entropy objective: neither exists for a regressor.
+        if tasks.of_data(cfg.data.name) == "regression":  # known by name: said before any data is read
             errors.append(f"algorithm.local: {pair}: MOON is defined for classification; data.name = "
                           f"{cfg.data.name} is a regression task (choose another algorithm.name or "
                           "algorithm.local)")
@@ -174,12 +172,93 @@ def _check_control(cfg, local: str) -> list[str]:
 def check_algorithm(cfg) -> list[str]:
     name = cfg.algorithm.name
     if name not in ALGORITHMS:
-        return [f"algorithm.name: unknown algorithm {name!r} (valid: {', '.join(ALGORITHMS)})"]
+        return [f"algorithm.name: unknown algorithm {name!r} (valid: {', '.join(ALGORITHMS)}, or module:attr, "
+                "your server rule: docs/extending.md)"]
     _, server = ALGORITHMS[name]
     if server not in strategies.REGISTRY:
         return [f"algorithm.name: {name!r} needs the server rule {server!r}, which is not available"]
-    errors = _check_pair(cfg, resolve(cfg)[0], server)
-    if server == "feder" and cfg.model.name not in ("cnn", "resnet18"):
-        errors.append(f"algorithm.name: feder weighs conv layers by effective rank; model.name = "
-                      f"{cfg.model.name} has no conv layer (use cnn or resnet18)")
+    local = resolve(cfg)[0]
+    errors = _check_pair(cfg, local, server)
+    return errors or _check_params(cfg.algorithm.params, local, server)
+
+
+def _declared_params(local: str, server: str) -> dict[str, tuple[str, object]]:
+    """name -> (the rule that declares it, its default); the server rule's first."""
+    from .client import rules
+    declared = {k: (local, v) for k, v in rules.RULES[local].params.items()}
+    declared.update({k: (server, v) for k, v in strategies.REGISTRY[server].params.items()})
+    return declared
+
+
+def _check_params(params: dict, local: str, server: str) -> list[str]:
+    """[algorithm.params]: every name declared by the server or the local rule, of its default's
+    type; then each rule checks its own values."""
+    from .client import rules
+    declared, errors = _declared_params(local, server), []
+    for key, value in params.items():
+        if key not in declared:
+            known = ", ".join(f"{k} ({rule})" for k, (rule, _) in declared.items()) or "none"
+            errors.append(f"algorithm.params.{key}: not a parameter of the {server} server rule or the "
+                          f"{local} local rule (theirs: {known})")
+            continue
+        rule, default = declared[key]
+        want = float if type(default) is float else type(default)
+        ok = isinstance(value, want) and isinstance(value, bool) == (want is bool)
+        if not ok and not (want is float and isinstance(value, int) and not isinstance(value, bool)):
+            errors.append(f"algorithm.params.{key}: {rule} takes a {want.__name__} (default {default!r}), "
+                          f"got {type(value).__name__} {value!r}")
+    if errors:
+        return errors
+    full = params_of(params, local, server)
+    check_server = strategies.REGISTRY[server].check_params
+    errors += [] if check_server is None else list(check_server(full))
+    errors += list(rules.RULES[local].check_params(full))
+    return [e if e.startswith("algorithm.params") else f"algorithm.params: {e}" for e in errors]
+
+
+def params_of(params: dict, local: str, server: str) -> dict:
+    """[algorithm.params] with every declared default filled in (ints given for floats as floats),
+    as config.toml records it and the rules read it (hp.params)."""
+    full = {k: default for k, (_, default) in _declared_params(local, server).items()}
+    full.update({k: float(v) if type(full.get(k)) is float else v for k, v in params.items()})
+    return full
+
+
+def _outside(net, parts) -> list[str]:
+    """Names of the parameters and buffers of ``net`` that none of ``parts`` holds."""
+    inside = {id(t) for part in parts for t in [*part.parameters(), *part.buffers()]}
+    return [n for n, t in [*net.named_parameters(), *net.named_buffers()] if id(t) not in inside]
+
+
+def check_model(cfg, net, task: str) -> list[str]:
+    """What the run's rules need of the built model (never its name): FedER a conv layer to
+    weigh by effective rank; MOON a classifier and its split into ``features`` and ``head``."""
+    import torch.nn as nn
+
+    local, server = resolve(cfg)
+    errors = []
+    what = f"model.name = {cfg.model.name}"
+    if strategies.REGISTRY[server].needs_for(cfg.algorithm) & {"eff_rank_KL"} and \
+            not any(isinstance(m, nn.Conv2d) for m in net.modules()):
+        errors.append(f"model.name: {server} weighs conv layers by effective rank; {what} has no "
+                      "torch.nn.Conv2d layer (use cnn, resnet18 or a model with one)")
+    if local == "moon":
+        if task != "classification":
+            # MOON's projection head sits between the features and a classifier, and its
+            # contrastive term is part of a cross-entropy objective: neither exists for a regressor.
+            errors.append(f"algorithm.local: MOON is defined for classification; data.name = "
+                          f"{cfg.data.name} is a {task} task (choose another algorithm.name or algorithm.local)")
+        missing = [a for a in ("features", "head") if not isinstance(getattr(net, a, None), nn.Module)]
+        if missing:
+            errors.append(f"model.name: MOON compares representations, so the model must be head(features(x)) "
+                          f"with submodules .features and .head; {what} has no {' and no '.join(missing)} "
+                          "(docs/extending.md, \"MOON\")")
+        elif outside := _outside(net, (net.features, net.head)):
+            errors.append(f"model.name: MOON runs the model as head(features(x)); {what} has tensors outside "
+                          f".features and .head ({', '.join(outside[:3])}); move them into one of the two")
+        elif cfg.algorithm.moon_proj_dim > 0 and not isinstance(net.head, nn.Linear):
+            errors.append(f"model.name: MOON's projection head (algorithm.moon_proj_dim = "
+                          f"{cfg.algorithm.moon_proj_dim}) replaces the classifier .head, which must be a "
+                          f"torch.nn.Linear; {what} has a {type(net.head).__name__} (or set "
+                          "algorithm.moon_proj_dim = 0)")
     return errors

@@ -20,10 +20,13 @@ from . import tasks
 from .errors import ConfigError
 
 
-def opt(default: Any, doc: str, choices: tuple | None = None):
-    """A config field: its default, the one-line doc shown in ``--help`` and the docs, and
-    (for strings) the valid choices."""
-    return field(default=default, metadata={"doc": doc, "choices": choices})
+def opt(default: Any, doc: str, choices: tuple | None = None, plugin: bool = False):
+    """A config field: its default, the one-line doc shown in ``--help`` and the docs, (for
+    strings) the valid choices, and whether a ``module:attr`` import path may stand for a choice
+    (fedddp.plugins)."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"doc": doc, "choices": None})
+    return field(default=default, metadata={"doc": doc, "choices": choices, "plugin": plugin})
 
 
 @dataclass
@@ -70,14 +73,19 @@ class RunConfig:
 # Every other key, and nothing about the world size, makes up a checkpoint's run identity.
 RESUME_MAY_CHANGE = frozenset({
     "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.stop_after", "run.resume",
-    "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root", "data.download"})
+    "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root", "data.download",
+    "data.path"})
 
 
 @dataclass
 class DataConfig:
-    name: str = opt("synthetic", "Data set.",
+    name: str = opt("synthetic", "Data set: a built-in one; tensors (arrays in the file data.path); or "
+                                 "module:attr, your callable (root, seed) -> mapping of arrays "
+                                 "(docs/extending.md).",
                     ("synthetic", "mnist", "fashionmnist", "cifar10", "cifar100", "cmapss", "femnist",
-                     "colored_mnist"))
+                     "colored_mnist", "tensors"), plugin=True)
+    path: str = opt("", "data.name = tensors: the .npz (numpy) or .pt (torch) file holding x_train, y_train, "
+                        "x_test, y_test and optionally client_train, task, num_classes (docs/extending.md).")
     root: str = opt("", "Folder holding the data sets (torchvision layout, e.g. ROOT/MNIST/raw). "
                         "Empty: $FEDDDP_DATA, else ./data.")
     download: bool = opt(False, "Let torchvision download a missing data set (needs internet).")
@@ -115,7 +123,9 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = opt("logistic", "Model. ffnn: seed 004's regressor (20-30-20 tanh, sigmoid output), "
-                                "for regression data (cmapss).", ("logistic", "mlp", "cnn", "resnet18", "ffnn"))
+                                "for regression data (cmapss). module:attr: your callable (input_shape, "
+                                "num_classes) -> torch.nn.Module (docs/extending.md).",
+                    ("logistic", "mlp", "cnn", "resnet18", "ffnn"), plugin=True)
     hidden: int = opt(200, "MLP hidden width.")
     flat_buffers: bool = opt(True, "Send buffers (BatchNorm statistics) with the parameters and average them.")
 
@@ -150,11 +160,15 @@ class TrainConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = opt("fedavg", "Federated algorithm (see docs/algorithms.md).")
+    name: str = opt("fedavg", "Federated algorithm (see docs/algorithms.md), or module:attr, your server "
+                              "rule (docs/extending.md).")
     local: str = opt("auto", "Client-side local rule; auto: the one algorithm.name implies. Another rule "
                              "composes with the name's server rule, e.g. name = fedgma with local = prox, "
-                             "or name = feder with local = gam.",
-                     ("auto", "plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo"))
+                             "or name = feder with local = gam. module:attr: your LocalRule subclass.",
+                     ("auto", "plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo"), plugin=True)
+    params: dict = opt({}, "The server and local rules' own hyperparameters, a free-form table "
+                           "[algorithm.params] (override: algorithm.params.NAME=value); each rule declares "
+                           "its names and defaults and checks the values (docs/extending.md).")
     weighting: str = opt("auto", "Client weights p_k for averaging: by sample count (n_k / n) or uniform "
                                  "(1/K); auto: the weighting of algorithm.name's paper or reference code "
                                  "(docs/algorithms.md), resolved when the config is loaded.",
@@ -278,6 +292,9 @@ def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None,
         types = _section_types(type(target))
         for key, value in table.items():
             path = f"{section}.{key}"
+            if section == "algorithm" and (key == "params" or key.startswith("params.")):
+                _set_params(target, key, value, path, errors, text)
+                continue
             if key not in types:
                 errors.append(f"{path}: unknown key (valid: {', '.join(types)})")
                 continue
@@ -285,6 +302,38 @@ def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None,
             if coerced is not None:
                 setattr(target, key, coerced)
     return cfg
+
+
+def _set_params(target, key: str, value: Any, path: str, errors: list[str], text: bool) -> None:
+    """``[algorithm.params]`` (a TOML table) or one override ``algorithm.params.NAME=value``, whose
+    value is read as a TOML value (``0.5``, ``true``, ``"x"``), else taken as a string."""
+    if key == "params":
+        if not isinstance(value, dict):
+            errors.append(f"{path}: expected a table [algorithm.params], got {type(value).__name__} {value!r}")
+            return
+        bad = [k for k, v in value.items() if not _param_value_ok(v)]
+        if bad:
+            errors.append(f"{path}.{bad[0]}: a parameter is a number, bool, string or list of them, got "
+                          f"{value[bad[0]]!r}")
+            return
+        target.params = dict(value)
+        return
+    name = key.removeprefix("params.")
+    if text:
+        try:
+            value = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            pass  # a bare word is a string
+    if not name or not _param_value_ok(value):
+        errors.append(f"{path}: a parameter is algorithm.params.NAME = a number, bool, string or list")
+        return
+    target.params = {**target.params, name: value}
+
+
+def _param_value_ok(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(_param_value_ok(v) and not isinstance(v, list) for v in value)
+    return isinstance(value, (bool, int, float, str)) and not (isinstance(value, float) and not math.isfinite(value))
 
 
 def parse_overrides(overrides: list[str], errors: list[str]) -> dict[str, dict[str, str]]:
@@ -301,14 +350,18 @@ def parse_overrides(overrides: list[str], errors: list[str]) -> dict[str, dict[s
 
 def validate(cfg: Config) -> list[str]:
     """Every impossible value or combination, each naming its dotted path."""
-    errors = []
+    from . import plugins
+    errors = plugins.resolve(cfg)  # imports every module:attr first: their rules are checked below
     for section in SECTIONS:
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
             choices = f.metadata.get("choices")
             value = getattr(obj, f.name)
+            if f.metadata.get("plugin") and plugins.is_path(value):
+                continue
             if choices and value not in choices:
-                errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}")
+                own = ", or module:attr (docs/extending.md)" if f.metadata.get("plugin") else ""
+                errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}{own}")
     positive = ["run.rounds", "run.eval_every", "run.num_threads", "run.collective_timeout_s", "data.num_clients", "data.shards_per_client",
                 "train.lr_step_size", "model.hidden"]
     non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
@@ -341,10 +394,15 @@ def validate(cfg: Config) -> list[str]:
                       f"{cfg.data.colored_flip_min} and {cfg.data.colored_flip_max}")
     if not 0.0 <= cfg.data.colored_test_flip <= 1.0:
         errors.append(f"data.colored_test_flip: must be in [0, 1], got {cfg.data.colored_test_flip}")
-    own_clients = ("femnist", "synthetic", "cmapss")  # clients come with the data; the others are partitioned
-    if cfg.data.partition == "natural" and cfg.data.name not in own_clients:
+    # clients come with the data; the others are partitioned. A tensors file or a data callable
+    # may bring its own (client_train), checked when it is read.
+    own_clients = ("femnist", "synthetic", "cmapss", "tensors")
+    if cfg.data.partition == "natural" and cfg.data.name not in own_clients and not plugins.is_path(cfg.data.name):
         errors.append(f"data.partition: natural needs a data set with its own clients (femnist: its writers); "
                       f"data.name = {cfg.data.name} has none, use iid, dirichlet, shards or classes")
+    if cfg.data.name == "tensors" and not cfg.data.path.endswith((".npz", ".pt")):
+        errors.append(f"data.path: data.name = tensors reads its arrays from an .npz (numpy) or .pt (torch) "
+                      f"file; got {cfg.data.path!r} (docs/extending.md)")
     if cfg.data.name == "femnist" and cfg.data.partition != "natural":
         errors.append(f"data.partition: femnist's clients are its writers; set data.partition = natural, not "
                       f"{cfg.data.partition} (IID FEMNIST: LEAF's preprocess.sh -s iid)")
@@ -383,9 +441,11 @@ def load(path: str | None, overrides: list[str] = ()) -> Config:
     if errors:
         where = f" in {path}" if path else ""
         raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
-    from .algorithms import weighting_of
-    # resolved once, so config.toml, the start line and every rule see the same weighting
+    from .algorithms import params_of, resolve, weighting_of
+    # resolved once, so config.toml, the start line and every rule see the same weighting and
+    # the same rule parameters (the declared defaults filled in)
     cfg.algorithm.weighting = weighting_of(cfg.algorithm)
+    cfg.algorithm.params = params_of(cfg.algorithm.params, *resolve(cfg))
     return cfg
 
 
@@ -407,11 +467,19 @@ def _read_toml(path: str) -> dict[str, Any]:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return repr(value)
+
+
+def _toml_key(key: str) -> str:
+    return key if key and all(c.isalnum() or c in "_-" for c in key) else _toml_value(str(key))
 
 
 def dumps(cfg: Config) -> str:
@@ -432,5 +500,6 @@ def describe() -> str:
         for f in dataclasses.fields(cls):
             choices = f.metadata.get("choices")
             extra = f" [{'|'.join(choices)}]" if choices else ""
-            lines.append(f"  {section}.{f.name} = {_toml_value(f.default)}{extra}\n      {f.metadata['doc']}")
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            lines.append(f"  {section}.{f.name} = {_toml_value(default)}{extra}\n      {f.metadata['doc']}")
     return "\n".join(lines)

@@ -256,7 +256,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
 
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
-    model = build_model(cfg, data.input_shape, data.num_classes).to(device)
+    model = build_model(cfg, data.input_shape, data.num_classes, data.task).to(device)
     task = tasks.get(data.task)
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()

@@ -79,9 +79,10 @@ def override_text(value, path: str) -> str:
 
 def axis_from(key: str, values, where: str) -> Axis:
     keys = tuple(k.strip() for k in key.split("+"))
-    if any(k.count(".") != 1 or not all(k.split(".")) for k in keys):
+    # a rule's own parameter is one more level down: algorithm.params.NAME
+    if any(k.count(".") != (2 if k.startswith("algorithm.params.") else 1) or not all(k.split(".")) for k in keys):
         raise ConfigError(f"{where}{key}: a sweep key is section.key (or several joined by +), "
-                          "e.g. algorithm.name")
+                          "e.g. algorithm.name, or algorithm.params.NAME")
     if "run.out_dir" in keys:
         raise ConfigError(f"{where}run.out_dir: set by the sweep (one folder per combination under --out)")
     values = values if isinstance(values, list) else [values]
@@ -172,8 +173,8 @@ def write_base(raw: dict, path: str, source: str) -> None:
             raise ConfigError(f"{source}: {section}: expected a table such as [run]")
         lines.append(f"\n[{section}]")
         for key, value in table.items():
-            lines.append(f"{key} = {config._toml_value(value)}" if not isinstance(value, (dict, list))
-                         else f"{key} = {value!r}")  # config.load names the mistake
+            # a table is [algorithm.params] or a mistake that config.load names
+            lines.append(f"{key} = {config._toml_value(value)}")
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:

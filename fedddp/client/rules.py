@@ -114,6 +114,14 @@ class LocalRule:
     # a local rule that writes it)
     reports: tuple[str, ...] = ()
     doc = "Plain local SGD (or the configured optimizer) on the task's loss (cross-entropy or MSE)."
+    # the rule's own hyperparameters in [algorithm.params] (read as ctx.hp.params[name]), name ->
+    # default; a given value must have the default's type (an int is taken for a float)
+    params: dict = {}
+
+    @classmethod
+    def check_params(cls, params: dict) -> list[str]:
+        """One error line per bad value in ``params`` (defaults filled in)."""
+        return []
 
     def begin(self, model, ctx) -> None:
         pass

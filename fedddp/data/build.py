@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData, cmapss, colored, idx, leaf, partition, synthetic, vision
+from . import ClientData, FederatedData, cmapss, colored, idx, leaf, partition, synthetic, tensors, vision
+from .. import plugins
 from ..errors import ConfigError, DataError
 
 _HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generator
@@ -40,6 +41,11 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
         return cmapss.build(data, cfg.data_root(), owned_ids)
     if data.name == "femnist":
         return leaf.build(data, cfg.data_root(), owned_ids)
+    if data.name == "tensors":
+        return tensors.build(tensors.read(data.path), f"data.path: {data.path}", data, seed, owned_ids)
+    if plugins.is_path(data.name):  # called alike on every rank: the same arrays, the same partition
+        mapping = plugins.get(data.name, "data.name")(cfg.data_root(), seed)
+        return tensors.build(mapping, f"data.name: {data.name}(root, seed)", data, seed, owned_ids)
 
     if not 0.0 <= data.holdout_from_test < 1.0:
         raise ConfigError(f"data.holdout_from_test: must be in [0, 1), got {data.holdout_from_test}")

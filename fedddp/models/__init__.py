@@ -6,6 +6,10 @@ Every model is ``head(projection(features(x)))``: ``features`` gives the represe
 (MOON's projection head: Linear(d, d), ReLU, Linear(d, out); the classifier then reads its
 output, as in MOON's code), and ``head`` is the final linear classifier (the FFNN's: a linear
 layer and a sigmoid). ``represent(x)`` is what MOON's contrastive term compares.
+
+A model of your own (``model.name = "module:attr"``) is any ``nn.Module``; MOON needs it split
+as ``head(features(x))`` (submodules ``features`` and ``head``; docs/extending.md): its
+``features`` and ``head`` are then put into a ``Net``, so the projection head sits between them.
 """
 
 from __future__ import annotations
@@ -81,14 +85,39 @@ def resnet18(input_shape, num_classes) -> Net:
     return Net(net, head)
 
 
-def build_model(cfg, input_shape, num_classes) -> Net:
-    name = cfg.model.name
-    if name == "mlp":
-        net = mlp(input_shape, num_classes, cfg.model.hidden)
+def build_model(cfg, input_shape, num_classes, task: str = "classification") -> nn.Module:
+    """The model of ``model.name`` (a built-in, or ``module:attr`` called as (input_shape,
+    num_classes)) for data of this shape and task, checked against what the run's rules need
+    (``algorithms.check_model``: a ConfigError naming what is missing); MOON's projection head
+    added. Every rank builds the same model from the same seed."""
+    from .. import plugins
+    from ..algorithms import check_model, resolve  # late: algorithms imports the strategy registry
+    from ..errors import ConfigError
+
+    name, input_shape = cfg.model.name, tuple(input_shape)
+    if plugins.is_path(name):
+        net = plugins.get(name, "model.name")(input_shape, num_classes)
+        if not isinstance(net, nn.Module):
+            raise ConfigError(f"model.name: {name}(input_shape, num_classes) returned a {type(net).__name__}, "
+                              "not a torch.nn.Module")
     else:
-        builders = {"logistic": logistic, "cnn": cnn, "resnet18": resnet18, "ffnn": ffnn}
-        net = builders[name](input_shape, num_classes)
-    from ..algorithms import resolve  # late: algorithms imports the strategy registry
-    if resolve(cfg)[0] == "moon" and cfg.algorithm.moon_proj_dim > 0:
-        net = add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)
+        if name in ("cnn", "resnet18") and len(input_shape) != 3:
+            raise ConfigError(f"model.name: {name} needs images [C, H, W]; the data's samples have shape "
+                              f"{list(input_shape)} (use logistic, mlp or your own model)")
+        if name == "ffnn" and task != "regression":
+            raise ConfigError(f"model.name: ffnn is a regressor (one sigmoid output); the data are a {task} "
+                              "task (use logistic, mlp, cnn or resnet18)")
+        if name == "mlp":
+            net = mlp(input_shape, num_classes, cfg.model.hidden)
+        else:
+            builders = {"logistic": logistic, "cnn": cnn, "resnet18": resnet18, "ffnn": ffnn}
+            net = builders[name](input_shape, num_classes)
+    errors = check_model(cfg, net, task)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    if resolve(cfg)[0] == "moon":
+        if not isinstance(net, Net):
+            net = Net(net.features, net.head)  # the contrastive term reads features, the loss head(...)
+        if cfg.algorithm.moon_proj_dim > 0:
+            net = add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)
     return net

@@ -30,12 +30,15 @@ Static entries, fixed for the run and not client reports, added when a rule name
   noise_seed       int64   []      run.seed, for the server's noise                 (DP-FedAvg)
 
 ``state`` is a dict of tensors owned by rank 0 and checkpointed; ``init_state(global_P, hp)``
-makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``. ``diagnostics`` is a dict of
+makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``; a rule's own hyperparameters
+are ``hp.params`` (``[algorithm.params]``), declared with their defaults in ``params`` and
+checked by ``check_params``. ``diagnostics`` is a dict of
 tensors (scalars or small vectors) that the round loop writes to metrics.jsonl.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -71,6 +74,11 @@ class Strategy:
     # ledger(state, static_stacks, hp) -> diagnostics describing the state itself, written every
     # round, also one without reports that leaves the state as it was (DP-FedAvg's epsilon)
     ledger: Callable[[State, Stacks, object], dict] | None = None
+    # the rule's own hyperparameters in [algorithm.params], name -> default (its type is the
+    # type a given value must have; an int is taken for a float)
+    params: dict = dataclasses.field(default_factory=dict)
+    # check_params(params) -> one error line per bad value (params with defaults filled in)
+    check_params: Callable[[dict], list[str]] | None = None
 
     def needs_for(self, hp) -> frozenset[str]:
         return self.needs_fn(hp) if self.needs_fn is not None else self.needs
@@ -83,6 +91,17 @@ def register(strategy: Strategy) -> Strategy:
     assert strategy.name not in REGISTRY, f"server rule {strategy.name} registered twice"
     REGISTRY[strategy.name] = strategy
     return strategy
+
+
+def plugin_form(strategy: Strategy, name: str) -> Strategy:
+    """A plugin server rule, registered under its import path ``name``: its aggregate runs with
+    every helper it calls (weighted_mean_P) in the torch-op form on every device, since only the
+    built-in rules have fused kernels."""
+    def aggregate(global_P, stacks, state, hp):
+        with kernels.forced("torch"):
+            return strategy.aggregate(global_P, stacks, state, hp)
+
+    return dataclasses.replace(strategy, name=name, aggregate=aggregate)
 
 
 def get(name: str) -> Strategy:

@@ -28,6 +28,7 @@ which one each rule used and why (``describe``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -171,12 +172,24 @@ TORCH_MARGIN = 1.25
 PROBE_BUDGET, PROBE_MAX_REPEATS = 0.04, 30
 
 _forms: dict[str, tuple[str, str]] | None = None   # rule -> ("c" | "torch", why)
-_probing: str | None = None                         # the form the probe is timing
+_probing: str | None = None                         # the form the probe is timing, or forced
 _warned: set[str] = set()                           # FEDDDP_KERNELS values already reported
 
 
+@contextlib.contextmanager
+def forced(form: str):
+    """Every call inside takes ``form`` (c or torch): a plugin server rule runs in torch ops."""
+    global _probing
+    saved, _probing = _probing, form
+    try:
+        yield
+    finally:
+        _probing = saved
+
+
 def _mode() -> str:
-    """"c" or "torch" when forced (FEDDDP_KERNELS, or the probe timing one form), else "auto"."""
+    """"c" or "torch" when forced (FEDDDP_KERNELS, the probe timing one form, or ``forced``),
+    else "auto"."""
     if _probing is not None:
         return _probing
     mode = os.environ.get("FEDDDP_KERNELS", "auto")
@@ -310,6 +323,8 @@ def lib(*tensors: torch.Tensor, rule: str | None = None) -> ctypes.CDLL | None:
 def describe(device: torch.device, rule: str | None = None) -> str:
     """Which form the server rules (or one rule) take on this device and why, for the run's
     start line; on CPU it builds the kernels and runs the probe if they are not cached."""
+    if rule is not None and ":" in rule:
+        return "torch ops (a plugin server rule runs in torch ops on every device)"
     if device.type != "cpu":
         return "torch ops"
     mode = _mode()
