@@ -48,7 +48,8 @@ def aggregate(global_P, stacks, state, hp):
     lib = kernels.lib(params_KP, global_P, rule="fedcong")
     if lib is not None:
         new_global_P, took_pos, took_neg = kernels.fedcong(lib, params_KP, weights_K, global_P, need)
-        took_2 = torch.tensor([took_pos, took_neg], dtype=torch.float64) / num_params
+        took_2 = torch.stack([torch.as_tensor(took, dtype=torch.float64)
+                              for took in (took_pos, took_neg)]) / num_params
         return new_global_P, state, _diagnostics(took_2, dtype)
     # alpha > 1/2: at most one group can qualify, so the choice is just the two thresholds
     exclusive = 2 * need > num_clients

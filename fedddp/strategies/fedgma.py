@@ -42,7 +42,7 @@ def aggregate(global_P, stacks, state, hp):
     if lib is not None:
         new_global_P, mask_sum = kernels.fedgma(lib, params_KP, grads_KP, weights_K, global_P, need,
                                                 soft, float(hp.server_lr))
-        density = torch.tensor(mask_sum / num_params, dtype=params_KP.dtype)
+        density = (torch.as_tensor(mask_sum, dtype=torch.float64) / num_params).to(params_KP.dtype)
         return new_global_P, state, {"mask_density": density}
 
     mean_P = weighted_mean_P(weights_K, params_KP)
