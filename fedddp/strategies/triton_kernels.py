@@ -48,10 +48,23 @@ STATS_MAX_CLIENTS = 128
 OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
 
+# Only builtins of triton.language below, no functions of its standard library (tl.zeros,
+# tl.sum): those are jit functions, interpreted only if TRITON_INTERPRET=1 was set before triton
+# itself was imported, which a test session cannot promise.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _sum(values, axis: tl.constexpr):
+    return tl.reduce(values, axis, _add)
+
+
 @triton.jit
 def _weighted_rows(rows, ld, K, p, cols, inside, BLOCK: tl.constexpr):
     """acc_j = sum_k p_k rows[k, j] over k in order: the mean every kernel shares."""
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.full([BLOCK], 0, tl.float32)
     row = rows
     for k in range(K):
         w = tl.load(row + cols, mask=inside, other=0.0)
@@ -91,7 +104,7 @@ def _fedmom_kernel(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, BLOCK:
     w_new = mean + momentum * (gv - gp)
     v = w_new - gv
     tl.store(out + cols, w_new, mask=inside)
-    tl.store(sq_parts + pid, tl.sum(tl.where(inside, v * v, 0.0).to(tl.float64), axis=0))
+    tl.store(sq_parts + pid, _sum(tl.where(inside, v * v, 0.0).to(tl.float64), axis=0))
 
 
 @triton.jit
@@ -118,23 +131,23 @@ def _cgw_stats_kernel(D, ld, K, P, sq_parts, dot_parts, KC: tl.constexpr, B: tl.
         take = (ks[:, None] < K) & inside[None, :]
         d = tl.load(D + ks[:, None].to(tl.int64) * ld + cols[None, :], mask=take, other=0.0)
         d = d.to(tl.float64)
-        total = tl.sum(d, axis=0)                          # D over the block's columns
-        tl.store(sq_parts + pid * K + ks, tl.sum(d * d, axis=1), mask=ks < K)
-        tl.store(dot_parts + pid * K + ks, tl.sum(d * total[None, :], axis=1), mask=ks < K)
+        total = _sum(d, axis=0)                          # D over the block's columns
+        tl.store(sq_parts + pid * K + ks, _sum(d * d, axis=1), mask=ks < K)
+        tl.store(dot_parts + pid * K + ks, _sum(d * total[None, :], axis=1), mask=ks < K)
     else:
-        total = tl.zeros([B], dtype=tl.float64)
+        total = tl.full([B], 0, tl.float64)
         for k0 in range(0, K, KC):
             rows = k0 + ks
             take = (rows[:, None] < K) & inside[None, :]
             d = tl.load(D + rows[:, None].to(tl.int64) * ld + cols[None, :], mask=take, other=0.0)
-            total = total + tl.sum(d.to(tl.float64), axis=0)
+            total = total + _sum(d.to(tl.float64), axis=0)
         for k0 in range(0, K, KC):
             rows = k0 + ks
             take = (rows[:, None] < K) & inside[None, :]
             d = tl.load(D + rows[:, None].to(tl.int64) * ld + cols[None, :], mask=take, other=0.0)
             d = d.to(tl.float64)
-            tl.store(sq_parts + pid * K + rows, tl.sum(d * d, axis=1), mask=rows < K)
-            tl.store(dot_parts + pid * K + rows, tl.sum(d * total[None, :], axis=1), mask=rows < K)
+            tl.store(sq_parts + pid * K + rows, _sum(d * d, axis=1), mask=rows < K)
+            tl.store(dot_parts + pid * K + rows, _sum(d * total[None, :], axis=1), mask=rows < K)
 
 
 @triton.jit
@@ -146,9 +159,9 @@ def _fedgma_kernel(W, G, ldw, ldg, K, num_clients, P, p, g, need, eta, out, mask
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     inside = cols < P
     gv = tl.load(g + cols, mask=inside, other=0.0)
-    mean = tl.zeros([BLOCK], dtype=tl.float32)
-    grad = tl.zeros([BLOCK], dtype=tl.float32)
-    signs = tl.zeros([BLOCK], dtype=tl.int32)
+    mean = tl.full([BLOCK], 0, tl.float32)
+    grad = tl.full([BLOCK], 0, tl.float32)
+    signs = tl.full([BLOCK], 0, tl.int32)
     w_row = W
     g_row = G
     for k in range(K):
@@ -169,7 +182,7 @@ def _fedgma_kernel(W, G, ldw, ldg, K, num_clients, P, p, g, need, eta, out, mask
     if SOFT:
         mask = tl.where(passed, 1.0, agree.to(tl.float32) / num_clients)
     tl.store(out + cols, mean - eta * (grad * mask), mask=inside)
-    tl.store(mask_parts + pid, tl.sum(tl.where(inside, mask, 0.0).to(tl.float64), axis=0))
+    tl.store(mask_parts + pid, _sum(tl.where(inside, mask, 0.0).to(tl.float64), axis=0))
 
 
 @triton.jit
@@ -181,14 +194,14 @@ def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexp
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     inside = cols < P
     gv = tl.load(g + cols, mask=inside, other=0.0)
-    num_pos = tl.zeros([BLOCK], dtype=tl.int32)
-    num_neg = tl.zeros([BLOCK], dtype=tl.int32)
-    p_pos = tl.zeros([BLOCK], dtype=tl.float32)
-    p_neg = tl.zeros([BLOCK], dtype=tl.float32)
-    w_pos = tl.zeros([BLOCK], dtype=tl.float32)
-    w_neg = tl.zeros([BLOCK], dtype=tl.float32)
-    w_all = tl.zeros([BLOCK], dtype=tl.float32)
-    p_all = tl.zeros([BLOCK], dtype=tl.float32)            # the same value in every lane
+    num_pos = tl.full([BLOCK], 0, tl.int32)
+    num_neg = tl.full([BLOCK], 0, tl.int32)
+    p_pos = tl.full([BLOCK], 0, tl.float32)
+    p_neg = tl.full([BLOCK], 0, tl.float32)
+    w_pos = tl.full([BLOCK], 0, tl.float32)
+    w_neg = tl.full([BLOCK], 0, tl.float32)
+    w_all = tl.full([BLOCK], 0, tl.float32)
+    p_all = tl.full([BLOCK], 0, tl.float32)            # the same value in every lane
     row = W
     for k in range(K):
         pk = tl.load(p + k)
@@ -213,8 +226,8 @@ def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexp
     num = tl.where(take_pos, w_pos, tl.where(take_neg, w_neg, w_all))
     den = tl.where(take_pos, p_pos, tl.where(take_neg, p_neg, p_all))
     tl.store(out + cols, num / den, mask=inside)
-    tl.store(took_parts + 2 * pid, tl.sum((take_pos & inside).to(tl.int32), axis=0))
-    tl.store(took_parts + 2 * pid + 1, tl.sum((take_neg & inside).to(tl.int32), axis=0))
+    tl.store(took_parts + 2 * pid, _sum((take_pos & inside).to(tl.int32), axis=0))
+    tl.store(took_parts + 2 * pid + 1, _sum((take_neg & inside).to(tl.int32), axis=0))
 
 
 # -- calls: the same arguments and results as kernels.py's C wrappers (minus the library), with
