@@ -56,9 +56,14 @@ def _add(a, b):
     return a + b
 
 
+# triton's own combine of tl.sum where it has one: the interpreter then sums with numpy instead
+# of element by element in Python (compiled, any associative combine gives the same tree)
+_SUM_COMBINE = getattr(tl.standard, "_sum_combine", _add)
+
+
 @triton.jit
 def _sum(values, axis: tl.constexpr):
-    return tl.reduce(values, axis, _add)
+    return tl.reduce(values, axis, _SUM_COMBINE)
 
 
 @triton.jit
