@@ -149,6 +149,26 @@ def test_cgw_statistics_in_chunks_of_clients(interpreted, num_clients):
     torch.testing.assert_close(m_K, grads_KP @ grads_KP.sum(0), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("num_clients", [10, 17])
+def test_cgw_is_exact_when_the_gradients_nearly_cancel(interpreted, num_clients, monkeypatch):
+    """As tests/test_cgw_precision.py for the C and torch forms: with ||sum_k D_k|| / ||D_k||
+    at 1e-6 the statistics must still come from float64 sums (a float32 route loses m)."""
+    from test_cgw_precision import ALPHA, cancelling_gradients_KP, cgw_float64, relative_error
+
+    monkeypatch.setattr(interpreted, "BLOCK", 256)       # fewer programs: the interpreter is slow
+    num_params, gen = 600, torch.Generator().manual_seed(num_clients)
+    loss_K = 0.5 + torch.rand(num_clients, generator=gen)
+    grads_KP = cancelling_gradients_KP(num_clients, num_params, 1e-6, gen)
+    x_ref_K, correction_ref_P, measured = cgw_float64(grads_KP, loss_K, ALPHA)
+    assert 1e-6 / 3 < measured < 3e-6                     # the inputs are as hard as intended
+    stacks = {"params_KP": torch.zeros(num_clients, num_params), "full_grad_KP": grads_KP,
+              "full_loss_K": loss_K, "num_samples_K": torch.ones(num_clients),
+              "train_loss_K": loss_K}
+    model_P, _, diag = aggregate("cgw", torch.zeros(num_params), stacks, hp_of(cgw_alpha=ALPHA))
+    assert relative_error(diag["cgw_x"], x_ref_K) <= 1e-4
+    assert relative_error(-model_P, correction_ref_P) <= 1e-4
+
+
 @pytest.mark.parametrize("num_clients", CLIENTS)
 @pytest.mark.parametrize("strided", [False, True])
 def test_feder_matches_twin(interpreted, num_clients, strided):
@@ -264,7 +284,8 @@ def test_benchmark_runs_the_triton_path_in_the_interpreter():
                            "triton", "--smoke"], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line]
     assert "Triton ms" in rows[0]
     assert sorted(row.split(" | ")[0][2:] for row in rows[1:]) == sorted(RULE_HPS)
     assert all(row.split(" | ")[4] == "triton" for row in rows[1:])

@@ -15,7 +15,8 @@ Our choices where the paper is silent:
     (hp.weighting = "uniform" gives the plain mean of the group).
 
 On CPU one fused kernel (kernels.c) does all of it in a single pass, with every per-column
-count and sum in registers. Elsewhere (the torch-op form), per block of columns: a
+count and sum in registers; on CUDA its Triton twin (triton_kernels.py). Elsewhere (the
+torch-op form), per block of columns: a
 matrix-vector product for the all-clients sum (it reads the block from memory), the 0/1
 indicators of the two groups (one [2K, B] buffer, in cache), one matmul for the group counts
 and p-sums, an in-place product with the params and one matmul for the group-weighted sums:

@@ -14,8 +14,9 @@ The threshold p K is taken as the integer ceil(p K) with a 1e-9 slack, so that e
 K = 25 (0.28 * 25 = 7.000000000000001 in floating point) asks for 7 agreeing clients.
 With gma_grad = "delta" the clients send no gradient: the delta is computed from params_KP.
 
-On CPU one fused kernel (kernels.c) reads W and G once and forms the mean, the weighted
-gradient, the sign count and the mask per column in registers. Elsewhere the mask needs sign(g)
+On CPU one fused kernel (kernels.c), on CUDA its Triton twin (triton_kernels.py), reads W and
+G once and forms the mean, the weighted gradient, the sign count and the mask per column in
+registers. Elsewhere the mask needs sign(g)
 over [K, P]; it is computed a block of columns at a time so that the [K, B] temporaries stay in
 cache (and memory stays flat for large K), G is read from memory once, and both reductions over
 clients are matrix-vector products.
