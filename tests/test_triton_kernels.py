@@ -223,12 +223,20 @@ def test_same_bits_on_every_call_and_for_any_block(interpreted, name, monkeypatc
 
 
 @pytest.mark.parametrize("name", sorted(RULE_HPS))
-def test_same_bits_as_the_c_kernels(interpreted, name, monkeypatch):
+@pytest.mark.parametrize("aligned", [False, True])
+def test_same_bits_as_the_c_kernels(interpreted, name, aligned, monkeypatch):
     """The kernels repeat kernels.c's arithmetic (client order, no multiply-add): in the
-    interpreter, whose float32 ops round as the CPU's, the new global vector is the C kernel's."""
+    interpreter, whose float32 ops round as the CPU's, the new global vector is the C kernel's.
+    aligned: rows of 52 floats (16-byte aligned: the vector-load path) instead of strided views
+    of 114 (P = 37)."""
     if kernels._library() is None:
         pytest.skip("no working C compiler")
-    global_P, stacks = inputs(33, 9, strided=True, discrete=name == "fedcong")
+    if aligned:
+        global_P, stacks = make_inputs(33, 52, 9, discrete=name == "fedcong")
+        assert interpreted._aligned(stacks["params_KP"], stacks["last_grad_KP"])
+    else:
+        global_P, stacks = inputs(33, 9, strided=True, discrete=name == "fedcong")
+        assert not interpreted._aligned(stacks["params_KP"])
     triton_P = aggregate(name, global_P, stacks, RULE_HPS[name])[0]
     monkeypatch.setenv("FEDDDP_KERNELS", "c")
     assert torch.equal(triton_P, run(name, global_P, stacks, RULE_HPS[name])[0])

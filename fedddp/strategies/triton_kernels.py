@@ -21,7 +21,9 @@ D = sum_k D_k) are float64 sums, as in kernels.c, for the precision cgw.py expla
 summed as trees inside a program, so they agree with the C kernel to float64 rounding only.
 
 Row k of a stack starts at base + k * ld (ld >= P in floats: round.py hands the rules column
-slices of its gather buffer); rows are reached by advancing a pointer, so K * ld may pass 2^31.
+slices of its gather buffer); the row offset is carried in 64 bits, so K * ld may pass 2^31.
+Loads are vectorised (4 floats) only in full blocks (no mask) of stacks whose every row starts
+on 16 bytes, which the host checks and passes as ALIGNED.
 Legend: K clients, P columns, R runs of columns sharing one weight vector (FedER), G programs.
 """
 
@@ -67,138 +69,239 @@ def _sum(values, axis: tl.constexpr):
 
 
 @triton.jit
-def _weighted_rows(rows, ld, K, p, cols, inside, BLOCK: tl.constexpr):
+def _load(base, offset, cols, inside, FULL: tl.constexpr, ALIGNED: tl.constexpr):
+    """(base + offset)[cols]: in a full block without a mask, so that the compiler can vectorise
+    the loads (a mask on cols < P, P not a multiple of 16, keeps every load scalar); ALIGNED:
+    the host checked that base + offset starts on 16 bytes (every row of the stack), which the
+    compiler cannot prove. (The hint must sit on a pointer computed here: on an argument of
+    this function it would be dropped.)"""
+    ptr = base + offset
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    if FULL:
+        values = tl.load(ptr + cols)
+    else:
+        values = tl.load(ptr + cols, mask=inside, other=0.0)
+    return values
+
+
+@triton.jit
+def _store(ptr, cols, values, inside, FULL: tl.constexpr):
+    if FULL:
+        tl.store(ptr + cols, values)
+    else:
+        tl.store(ptr + cols, values, mask=inside)
+
+
+@triton.jit
+def _weighted_rows(rows, ld, K, p, cols, inside, BLOCK: tl.constexpr, FULL: tl.constexpr,
+                   ALIGNED: tl.constexpr):
     """acc_j = sum_k p_k rows[k, j] over k in order: the mean every kernel shares."""
     acc = tl.full([BLOCK], 0, tl.float32)
-    row = rows
+    offset = tl.full([], 0, tl.int64)                      # k * ld, in 64 bits
     for k in range(K):
-        w = tl.load(row + cols, mask=inside, other=0.0)
-        acc = acc + tl.load(p + k) * w
-        row += ld
+        acc = acc + tl.load(p + k) * _load(rows, offset, cols, inside, FULL, ALIGNED)
+        offset += ld
     return acc
 
 
+# Each kernel below is a block function with FULL a compile-time flag, and an entry that calls
+# it with FULL = True in every program but the one holding the last, partial block.
+
 @triton.jit
-def _mean_kernel(rows, ld, K, P, p, out, BLOCK: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _mean_block(rows, ld, K, P, p, out, pid, BLOCK: tl.constexpr, FULL: tl.constexpr,
+                ALIGNED: tl.constexpr):
+    cols = pid * BLOCK + tl.arange(0, BLOCK)
     inside = cols < P
-    tl.store(out + cols, _weighted_rows(rows, ld, K, p, cols, inside, BLOCK), mask=inside)
+    _store(out, cols, _weighted_rows(rows, ld, K, p, cols, inside, BLOCK, FULL, ALIGNED), inside,
+           FULL)
 
 
 @triton.jit
-def _mix_kernel(rows, ld, K, weights_RK, tile_run, tile_block, bounds, out, BLOCK: tl.constexpr):
+def _mean_kernel(rows, ld, K, P, p, out, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    pid = tl.program_id(0)
+    if (pid + 1) * BLOCK <= P:
+        _mean_block(rows, ld, K, P, p, out, pid, BLOCK, True, ALIGNED)
+    else:
+        _mean_block(rows, ld, K, P, p, out, pid, BLOCK, False, ALIGNED)
+
+
+@triton.jit
+def _mix_block(rows, ld, K, weights, start, stop, block, out, BLOCK: tl.constexpr,
+               FULL: tl.constexpr, ALIGNED: tl.constexpr):
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    inside = (cols >= start) & (cols < stop)
+    _store(out, cols, _weighted_rows(rows, ld, K, weights, cols, inside, BLOCK, FULL, ALIGNED),
+           inside, FULL)
+
+
+@triton.jit
+def _mix_kernel(rows, ld, K, weights_RK, tile_run, tile_block, bounds, out, BLOCK: tl.constexpr,
+                ALIGNED: tl.constexpr):
     """One tile = one run's columns inside one aligned block of BLOCK columns (a block that
     holds several runs is one tile per run), so loads stay aligned to the block."""
     t = tl.program_id(0)
     run = tl.load(tile_run + t)
-    cols = tl.load(tile_block + t) * BLOCK + tl.arange(0, BLOCK)
-    inside = (cols >= tl.load(bounds + run)) & (cols < tl.load(bounds + run + 1))
-    acc = _weighted_rows(rows, ld, K, weights_RK + run * K, cols, inside, BLOCK)
-    tl.store(out + cols, acc, mask=inside)
+    block = tl.load(tile_block + t)
+    start = tl.load(bounds + run)
+    stop = tl.load(bounds + run + 1)
+    if (start <= block * BLOCK) & ((block + 1) * BLOCK <= stop):
+        _mix_block(rows, ld, K, weights_RK + run * K, start, stop, block, out, BLOCK, True, ALIGNED)
+    else:
+        _mix_block(rows, ld, K, weights_RK + run * K, start, stop, block, out, BLOCK, False,
+                   ALIGNED)
 
 
 @triton.jit
-def _fedmom_kernel(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, BLOCK: tl.constexpr):
-    """out = mean + m (g - g_prev); partial sum of (out - g)^2, in float64, per program."""
-    pid = tl.program_id(0)
+def _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, pid,
+                  BLOCK: tl.constexpr, FULL: tl.constexpr, ALIGNED: tl.constexpr):
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     inside = cols < P
-    mean = _weighted_rows(rows, ld, K, p, cols, inside, BLOCK)
-    gv = tl.load(g + cols, mask=inside, other=0.0)
-    gp = tl.load(g_prev + cols, mask=inside, other=0.0)
+    mean = _weighted_rows(rows, ld, K, p, cols, inside, BLOCK, FULL, ALIGNED)
+    gv = _load(g, 0, cols, inside, FULL, False)
+    gp = _load(g_prev, 0, cols, inside, FULL, False)
     w_new = mean + momentum * (gv - gp)
     v = w_new - gv
-    tl.store(out + cols, w_new, mask=inside)
+    _store(out, cols, w_new, inside, FULL)
     tl.store(sq_parts + pid, _sum(tl.where(inside, v * v, 0.0).to(tl.float64), axis=0))
 
 
 @triton.jit
-def _cgw_kernel(W, D, ldw, ldd, K, P, p, x, out, BLOCK: tl.constexpr):
-    """out = sum_k p_k w_k - sum_k x_k d_k; x = 0 subtracts +0 and leaves the mean's bits."""
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < P
-    mean = _weighted_rows(W, ldw, K, p, cols, inside, BLOCK)
-    correction = _weighted_rows(D, ldd, K, x, cols, inside, BLOCK)
-    tl.store(out + cols, mean - correction, mask=inside)
+def _fedmom_kernel(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, BLOCK: tl.constexpr,
+                   ALIGNED: tl.constexpr):
+    """out = mean + m (g - g_prev); partial sum of (out - g)^2, in float64, per program."""
+    pid = tl.program_id(0)
+    if (pid + 1) * BLOCK <= P:
+        _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, pid, BLOCK, True,
+                      ALIGNED)
+    else:
+        _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, pid, BLOCK, False,
+                      ALIGNED)
 
 
 @triton.jit
-def _cgw_stats_kernel(D, ld, K, P, sq_parts, dot_parts, KC: tl.constexpr, B: tl.constexpr,
-                      ONE_TILE: tl.constexpr):
-    """Per program: ||D_k||^2 and D_k . D over its B columns, for every k, in float64.
-    With K <= KC the [KC, B] tile of D is read once and kept in registers for both sums
-    (a second walk over the rows would come back from DRAM once many programs share L2)."""
+def _cgw_block(W, D, ldw, ldd, K, P, p, x, out, pid, BLOCK: tl.constexpr, FULL: tl.constexpr,
+               ALIGNED: tl.constexpr):
+    cols = pid * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < P
+    mean = _weighted_rows(W, ldw, K, p, cols, inside, BLOCK, FULL, ALIGNED)
+    correction = _weighted_rows(D, ldd, K, x, cols, inside, BLOCK, FULL, ALIGNED)
+    _store(out, cols, mean - correction, inside, FULL)
+
+
+@triton.jit
+def _cgw_kernel(W, D, ldw, ldd, K, P, p, x, out, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """out = sum_k p_k w_k - sum_k x_k d_k; x = 0 subtracts +0 and leaves the mean's bits."""
     pid = tl.program_id(0)
+    if (pid + 1) * BLOCK <= P:
+        _cgw_block(W, D, ldw, ldd, K, P, p, x, out, pid, BLOCK, True, ALIGNED)
+    else:
+        _cgw_block(W, D, ldw, ldd, K, P, p, x, out, pid, BLOCK, False, ALIGNED)
+
+
+@triton.jit
+def _stats_tile(D, ld, K, k0, cols, inside, KC: tl.constexpr, FULL: tl.constexpr,
+                ALIGNED: tl.constexpr):
+    """Rows k0 .. k0 + KC of D over the block's columns, as float64 (zeros past K and P)."""
+    rows = k0 + tl.arange(0, KC)
+    starts = D + rows.to(tl.int64) * ld
+    if ALIGNED:
+        starts = tl.multiple_of(starts, 16)
+    if FULL:
+        take = (rows[:, None] < K) & (cols[None, :] >= 0)   # constant along the columns
+    else:
+        take = (rows[:, None] < K) & inside[None, :]
+    return tl.load(starts[:, None] + cols[None, :], mask=take, other=0.0).to(tl.float64), rows
+
+
+@triton.jit
+def _cgw_stats_block(D, ld, K, P, sq_parts, dot_parts, pid, KC: tl.constexpr, B: tl.constexpr,
+                     ONE_TILE: tl.constexpr, FULL: tl.constexpr, ALIGNED: tl.constexpr):
     cols = pid * B + tl.arange(0, B)
     inside = cols < P
-    ks = tl.arange(0, KC)
     if ONE_TILE:
-        take = (ks[:, None] < K) & inside[None, :]
-        d = tl.load(D + ks[:, None].to(tl.int64) * ld + cols[None, :], mask=take, other=0.0)
-        d = d.to(tl.float64)
-        total = _sum(d, axis=0)                          # D over the block's columns
-        tl.store(sq_parts + pid * K + ks, _sum(d * d, axis=1), mask=ks < K)
-        tl.store(dot_parts + pid * K + ks, _sum(d * total[None, :], axis=1), mask=ks < K)
+        d, rows = _stats_tile(D, ld, K, 0, cols, inside, KC, FULL, ALIGNED)
+        total = _sum(d, axis=0)                            # D over the block's columns
+        tl.store(sq_parts + pid * K + rows, _sum(d * d, axis=1), mask=rows < K)
+        tl.store(dot_parts + pid * K + rows, _sum(d * total[None, :], axis=1), mask=rows < K)
     else:
         total = tl.full([B], 0, tl.float64)
         for k0 in range(0, K, KC):
-            rows = k0 + ks
-            take = (rows[:, None] < K) & inside[None, :]
-            d = tl.load(D + rows[:, None].to(tl.int64) * ld + cols[None, :], mask=take, other=0.0)
-            total = total + _sum(d.to(tl.float64), axis=0)
+            d, rows = _stats_tile(D, ld, K, k0, cols, inside, KC, FULL, ALIGNED)
+            total = total + _sum(d, axis=0)
         for k0 in range(0, K, KC):
-            rows = k0 + ks
-            take = (rows[:, None] < K) & inside[None, :]
-            d = tl.load(D + rows[:, None].to(tl.int64) * ld + cols[None, :], mask=take, other=0.0)
-            d = d.to(tl.float64)
+            d, rows = _stats_tile(D, ld, K, k0, cols, inside, KC, FULL, ALIGNED)
             tl.store(sq_parts + pid * K + rows, _sum(d * d, axis=1), mask=rows < K)
             tl.store(dot_parts + pid * K + rows, _sum(d * total[None, :], axis=1), mask=rows < K)
 
 
 @triton.jit
-def _fedgma_kernel(W, G, ldw, ldg, K, num_clients, P, p, g, need, eta, out, mask_parts,
-                   HAS_G: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr):
-    """out = mean - eta * mask * sum_k p_k g_k with mask from |sum_k sign(g_kj)| >= need
-    (soft: the agreement / K below it); without G, g_k = g - w_k. Partial mask sum per program."""
+def _cgw_stats_kernel(D, ld, K, P, sq_parts, dot_parts, KC: tl.constexpr, B: tl.constexpr,
+                      ONE_TILE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Per program: ||D_k||^2 and D_k . D over its B columns, for every k, in float64.
+    With K <= KC the [KC, B] tile of D is read once and kept in registers for both sums
+    (a second walk over the rows would come back from DRAM once many programs share L2)."""
     pid = tl.program_id(0)
+    if (pid + 1) * B <= P:
+        _cgw_stats_block(D, ld, K, P, sq_parts, dot_parts, pid, KC, B, ONE_TILE, True, ALIGNED)
+    else:
+        _cgw_stats_block(D, ld, K, P, sq_parts, dot_parts, pid, KC, B, ONE_TILE, False, ALIGNED)
+
+
+@triton.jit
+def _fedgma_block(W, G, ldw, ldg, K, num_clients, P, p, g, need, eta, out, mask_parts, pid,
+                  HAS_G: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr,
+                  FULL: tl.constexpr, ALIGNED: tl.constexpr):
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     inside = cols < P
-    gv = tl.load(g + cols, mask=inside, other=0.0)
+    gv = _load(g, 0, cols, inside, FULL, False)
     mean = tl.full([BLOCK], 0, tl.float32)
     grad = tl.full([BLOCK], 0, tl.float32)
     signs = tl.full([BLOCK], 0, tl.int32)
-    w_row = W
-    g_row = G
+    w_offset = tl.full([], 0, tl.int64)
+    g_offset = tl.full([], 0, tl.int64)
     for k in range(K):
         pk = tl.load(p + k)
-        w = tl.load(w_row + cols, mask=inside, other=0.0)
+        w = _load(W, w_offset, cols, inside, FULL, ALIGNED)
         if HAS_G:
-            gk = tl.load(g_row + cols, mask=inside, other=0.0)
-            g_row += ldg
+            gk = _load(G, g_offset, cols, inside, FULL, ALIGNED)
+            g_offset += ldg
         else:
             gk = gv - w
         mean = mean + pk * w                               # _weighted_rows' arithmetic
         grad = grad + pk * gk
         signs += (gk > 0).to(tl.int32) - (gk < 0).to(tl.int32)
-        w_row += ldw
+        w_offset += ldw
     agree = tl.abs(signs)
     passed = agree >= need
     mask = tl.where(passed, 1.0, 0.0)
     if SOFT:
         mask = tl.where(passed, 1.0, agree.to(tl.float32) / num_clients)
-    tl.store(out + cols, mean - eta * (grad * mask), mask=inside)
+    _store(out, cols, mean - eta * (grad * mask), inside, FULL)
     tl.store(mask_parts + pid, _sum(tl.where(inside, mask, 0.0).to(tl.float64), axis=0))
 
 
 @triton.jit
-def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexpr):
-    """Per column the p-weighted mean of the clients above (below) g when at least `need` are,
-    the larger count winning (ties positive), else of all clients; per program the number of
-    columns that took each group."""
+def _fedgma_kernel(W, G, ldw, ldg, K, num_clients, P, p, g, need, eta, out, mask_parts,
+                   HAS_G: tl.constexpr, SOFT: tl.constexpr, BLOCK: tl.constexpr,
+                   ALIGNED: tl.constexpr):
+    """out = mean - eta * mask * sum_k p_k g_k with mask from |sum_k sign(g_kj)| >= need
+    (soft: the agreement / K below it); without G, g_k = g - w_k. Partial mask sum per program."""
     pid = tl.program_id(0)
+    if (pid + 1) * BLOCK <= P:
+        _fedgma_block(W, G, ldw, ldg, K, num_clients, P, p, g, need, eta, out, mask_parts, pid,
+                      HAS_G, SOFT, BLOCK, True, ALIGNED)
+    else:
+        _fedgma_block(W, G, ldw, ldg, K, num_clients, P, p, g, need, eta, out, mask_parts, pid,
+                      HAS_G, SOFT, BLOCK, False, ALIGNED)
+
+
+@triton.jit
+def _fedcong_block(W, ld, K, P, p, g, need, out, took_parts, pid, BLOCK: tl.constexpr,
+                   FULL: tl.constexpr, ALIGNED: tl.constexpr):
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     inside = cols < P
-    gv = tl.load(g + cols, mask=inside, other=0.0)
+    gv = _load(g, 0, cols, inside, FULL, False)
     num_pos = tl.full([BLOCK], 0, tl.int32)
     num_neg = tl.full([BLOCK], 0, tl.int32)
     p_pos = tl.full([BLOCK], 0, tl.float32)
@@ -207,10 +310,10 @@ def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexp
     w_neg = tl.full([BLOCK], 0, tl.float32)
     w_all = tl.full([BLOCK], 0, tl.float32)
     p_all = tl.full([BLOCK], 0, tl.float32)            # the same value in every lane
-    row = W
+    offset = tl.full([], 0, tl.int64)
     for k in range(K):
         pk = tl.load(p + k)
-        w = tl.load(row + cols, mask=inside, other=0.0)
+        w = _load(W, offset, cols, inside, FULL, ALIGNED)
         pw = pk * w
         above = w > gv
         below = w < gv
@@ -222,7 +325,7 @@ def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexp
         w_neg = w_neg + tl.where(below, pw, 0.0)
         w_all = w_all + pw
         p_all = p_all + pk
-        row += ld
+        offset += ld
     take_pos = num_pos >= need
     take_neg = num_neg >= need
     # both may qualify: the larger count wins, ties positive (an empty group never: need >= 1)
@@ -230,9 +333,22 @@ def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexp
     take_pos = take_pos & ~take_neg
     num = tl.where(take_pos, w_pos, tl.where(take_neg, w_neg, w_all))
     den = tl.where(take_pos, p_pos, tl.where(take_neg, p_neg, p_all))
-    tl.store(out + cols, num / den, mask=inside)
+    _store(out, cols, num / den, inside, FULL)
     tl.store(took_parts + 2 * pid, _sum((take_pos & inside).to(tl.int32), axis=0))
     tl.store(took_parts + 2 * pid + 1, _sum((take_neg & inside).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+    """Per column the p-weighted mean of the clients above (below) g when at least `need` are,
+    the larger count winning (ties positive), else of all clients; per program the number of
+    columns that took each group."""
+    pid = tl.program_id(0)
+    if (pid + 1) * BLOCK <= P:
+        _fedcong_block(W, ld, K, P, p, g, need, out, took_parts, pid, BLOCK, True, ALIGNED)
+    else:
+        _fedcong_block(W, ld, K, P, p, g, need, out, took_parts, pid, BLOCK, False, ALIGNED)
 
 
 # -- calls: the same arguments and results as kernels.py's C wrappers (minus the library), with
@@ -240,6 +356,11 @@ def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexp
 
 def _vector(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.float32).contiguous()
+
+
+def _aligned(*stacks_KP: torch.Tensor) -> bool:
+    """Every row of every stack starts on 16 bytes: the kernels may then load 4 floats at once."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 for t in stacks_KP)
 
 
 def _programs(num_params: int) -> int:
@@ -252,7 +373,7 @@ def mean(rows_KP: torch.Tensor, weights_K: torch.Tensor) -> torch.Tensor:
     out_P = torch.empty(num_params, dtype=torch.float32, device=rows_KP.device)
     _mean_kernel[(_programs(num_params),)](rows_KP, rows_KP.stride(0), num_clients, num_params,
                                            _vector(weights_K, rows_KP.device), out_P,
-                                           BLOCK=BLOCK, **OPTIONS)
+                                           BLOCK=BLOCK, ALIGNED=_aligned(rows_KP), **OPTIONS)
     return out_P
 
 
@@ -287,7 +408,7 @@ def mix(rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.Tensor
         _mix_kernel[(len(run_T),)](rows_KP, rows_KP.stride(0), num_clients,
                                    _vector(weights_RK, device), run_T, block_T,
                                    bounds_R1.to(device=device, dtype=torch.int64), out_P,
-                                   BLOCK=BLOCK, **OPTIONS)
+                                   BLOCK=BLOCK, ALIGNED=_aligned(rows_KP), **OPTIONS)
     return out_P
 
 
@@ -300,7 +421,7 @@ def fedmom(rows_KP, weights_K, global_P, previous_P, momentum: float):
     _fedmom_kernel[(len(sq_G),)](rows_KP, rows_KP.stride(0), num_clients, num_params,
                                  _vector(weights_K, device), _vector(global_P, device),
                                  _vector(previous_P, device), float(momentum), out_P, sq_G,
-                                 BLOCK=BLOCK, **OPTIONS)
+                                 BLOCK=BLOCK, ALIGNED=_aligned(rows_KP), **OPTIONS)
     return out_P, sq_G.sum()
 
 
@@ -311,7 +432,8 @@ def cgw(rows_KP, grads_KP, weights_K, x_K):
     out_P = torch.empty(num_params, dtype=torch.float32, device=device)
     _cgw_kernel[(_programs(num_params),)](rows_KP, grads_KP, rows_KP.stride(0), grads_KP.stride(0),
                                           num_clients, num_params, _vector(weights_K, device),
-                                          _vector(x_K, device), out_P, BLOCK=BLOCK, **OPTIONS)
+                                          _vector(x_K, device), out_P, BLOCK=BLOCK,
+                                          ALIGNED=_aligned(rows_KP, grads_KP), **OPTIONS)
     return out_P
 
 
@@ -326,7 +448,8 @@ def cgw_stats(grads_KP):
     dot_GK = torch.empty_like(sq_GK)
     _cgw_stats_kernel[(programs,)](grads_KP, grads_KP.stride(0), num_clients, num_params, sq_GK,
                                    dot_GK, KC=clients_tile, B=cols_tile,
-                                   ONE_TILE=num_clients <= clients_tile, **OPTIONS)
+                                   ONE_TILE=num_clients <= clients_tile,
+                                   ALIGNED=_aligned(grads_KP), **OPTIONS)
     return sq_GK.sum(0), dot_GK.sum(0)
 
 
@@ -341,7 +464,8 @@ def fedgma(rows_KP, grads_KP, weights_K, global_P, need: int, soft: bool, server
     _fedgma_kernel[(len(mask_G),)](rows_KP, grads, rows_KP.stride(0), grads.stride(0), num_clients,
                                    float(num_clients), num_params, _vector(weights_K, device),
                                    _vector(global_P, device), int(need), float(server_lr), out_P,
-                                   mask_G, HAS_G=has_grads, SOFT=bool(soft), BLOCK=BLOCK, **OPTIONS)
+                                   mask_G, HAS_G=has_grads, SOFT=bool(soft), BLOCK=BLOCK,
+                                   ALIGNED=_aligned(rows_KP, grads), **OPTIONS)
     return out_P, mask_G.sum()
 
 
@@ -353,6 +477,7 @@ def fedcong(rows_KP, weights_K, global_P, need: int):
     took_G2 = torch.empty(_programs(num_params), 2, dtype=torch.int32, device=device)
     _fedcong_kernel[(len(took_G2),)](rows_KP, rows_KP.stride(0), num_clients, num_params,
                                      _vector(weights_K, device), _vector(global_P, device),
-                                     int(need), out_P, took_G2, BLOCK=BLOCK, **OPTIONS)
+                                     int(need), out_P, took_G2, BLOCK=BLOCK,
+                                     ALIGNED=_aligned(rows_KP), **OPTIONS)
     took_2 = took_G2.sum(0, dtype=torch.int64)
     return out_P, took_2[0], took_2[1]
