@@ -299,6 +299,60 @@ def test_benchmark_runs_the_triton_path_in_the_interpreter():
     assert all(row.split(" | ")[4] == "triton" for row in rows[1:])
 
 
+# -- compiled for a GPU, without one ------------------------------------------------------------
+
+F32, I32 = "*fp32", "i32"
+# kernel -> (runtime arguments' types, compile-time arguments besides ALIGNED), as a launch on
+# float32 stacks passes them
+SM90 = {
+    "_mean_kernel": (dict(rows=F32, ld=I32, K=I32, P=I32, p=F32, out=F32), dict(BLOCK=1024)),
+    "_mix_kernel": (dict(rows=F32, ld=I32, K=I32, weights_RK=F32, tile_run="*i32",
+                         tile_block="*i32", bounds="*i64", out=F32), dict(BLOCK=1024)),
+    "_fedmom_kernel": (dict(rows=F32, ld=I32, K=I32, P=I32, p=F32, g=F32, g_prev=F32,
+                            momentum="fp32", out=F32, sq_parts="*fp64"), dict(BLOCK=1024)),
+    "_cgw_kernel": (dict(W=F32, D=F32, ldw=I32, ldd=I32, K=I32, P=I32, p=F32, x=F32, out=F32),
+                    dict(BLOCK=1024)),
+    "_cgw_stats_kernel": (dict(D=F32, ld=I32, K=I32, P=I32, sq_parts="*fp64", dot_parts="*fp64"),
+                          dict(KC=64, B=64, ONE_TILE=True)),
+    "_fedgma_kernel": (dict(W=F32, G=F32, ldw=I32, ldg=I32, K=I32, num_clients="fp32", P=I32,
+                            p=F32, g=F32, need=I32, eta="fp32", out=F32, mask_parts="*fp64"),
+                       dict(HAS_G=True, SOFT=True, BLOCK=1024)),
+    "_fedcong_kernel": (dict(W=F32, ld=I32, K=I32, P=I32, p=F32, g=F32, need=I32, out=F32,
+                             took_parts="*i32"), dict(BLOCK=1024)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SM90))
+def test_kernel_compiles_for_sm90_without_fma_and_with_vector_loads(name, monkeypatch):
+    """Guards what the interpreter cannot see: each kernel compiles for an H100 (Triton's code
+    generator and ptxas need no GPU), without multiply-add contraction (the C kernels' bits),
+    and with more 4-float loads when the host says its rows are 16-byte aligned (the hint was
+    once silently dropped: set on a helper's argument, it never reached the loads)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "nvidia" not in triton.backends.backends or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs triton's CUDA backend, not the interpreter")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    spec = importlib.util.find_spec("fedddp.strategies.triton_kernels")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = getattr(module, name)
+    types, constants = SM90[name]
+    vector_loads = {}
+    for aligned in (False, True):
+        consts = dict(constants, ALIGNED=aligned)
+        signature = {arg: "constexpr" if arg in consts else types[arg] for arg in kernel.arg_names}
+        source = ASTSource(kernel, signature, consts, {(0,): [["tt.divisibility", 16]]})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options=module.OPTIONS)
+        ptx = compiled.asm["ptx"]
+        assert "fma.rn" not in ptx
+        vector_loads[aligned] = ptx.count("ld.global.v4")
+    assert vector_loads[True] > vector_loads[False]
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
