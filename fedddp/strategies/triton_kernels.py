@@ -380,9 +380,10 @@ def mean(rows_KP: torch.Tensor, weights_K: torch.Tensor) -> torch.Tensor:
 _tiles_cache: dict = {}
 
 
-def _tiles(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(run, block) of every tile: the aligned blocks of BLOCK columns each run touches.
-    The layout is fixed for a run, so the table is built once (per block size and device)."""
+def _tiles(bounds: tuple[int, ...], device: torch.device):
+    """(run, block) of every tile, the aligned blocks of BLOCK columns each run touches, and
+    the bounds, on the device. The layout is fixed for a run, so they are made once (per block
+    size and device), not copied to the device every round."""
     key = (bounds, BLOCK, str(device))
     if key not in _tiles_cache:
         bounds_R1 = torch.tensor(bounds, dtype=torch.int64)
@@ -394,7 +395,8 @@ def _tiles(bounds: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor,
         offset_T = torch.arange(len(run_T)) - (count_R.cumsum(0) - count_R)[run_T]
         block_T = first_R[run_T] + offset_T
         _tiles_cache.clear()        # one model per process: keep only the latest layout
-        _tiles_cache[key] = (run_T.to(torch.int32).to(device), block_T.to(torch.int32).to(device))
+        _tiles_cache[key] = (run_T.to(torch.int32).to(device), block_T.to(torch.int32).to(device),
+                             bounds_R1.to(device))
     return _tiles_cache[key]
 
 
@@ -402,12 +404,12 @@ def mix(rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.Tensor
     """out_j = sum_k weights[r, k] rows_kj for the columns [bounds[r], bounds[r + 1]) of run r."""
     num_clients, num_params = rows_KP.shape
     device = rows_KP.device
-    run_T, block_T = _tiles(tuple(bounds_R1.tolist()), device)
+    run_T, block_T, bounds_dev = _tiles(tuple(bounds_R1.tolist()), device)
     out_P = torch.empty(num_params, dtype=torch.float32, device=device)
     if len(run_T):
         _mix_kernel[(len(run_T),)](rows_KP, rows_KP.stride(0), num_clients,
                                    _vector(weights_RK, device), run_T, block_T,
-                                   bounds_R1.to(device=device, dtype=torch.int64), out_P,
+                                   bounds_dev, out_P,
                                    BLOCK=BLOCK, ALIGNED=_aligned(rows_KP), **OPTIONS)
     return out_P
 
