@@ -6,7 +6,7 @@ The interpreter is switched on by TRITON_INTERPRET=1 when a kernel is *defined*,
 loads its own copy of triton_kernels with it set and hands that copy to the dispatch
 (kernels._triton_module): the rest of the session (and a GPU run's compiled kernels) is left
 alone. The interpreter runs each program's block ops through numpy, so the inputs are small and
-the block is shrunk to 16 columns, so that P crosses several blocks and ends inside one.
+the blocks are shrunk to 16 columns, so that P crosses several blocks and ends inside one.
 Legend: K sampled clients, P flat parameters.
 """
 
@@ -55,6 +55,7 @@ def interpreted(monkeypatch):
     module = _load_interpreted()
     monkeypatch.setattr(kernels, "_triton_module", module)
     monkeypatch.setattr(module, "BLOCK", SMALL_BLOCK)
+    monkeypatch.setattr(module, "STATS_TILE", 256)      # CGW's statistics: 16-column blocks at K > 8
     monkeypatch.setenv("FEDDDP_KERNELS", "triton")
     return module
 
