@@ -10,7 +10,8 @@ order, k = 0 .. K-1, keeping its per-column sums, counts and masks in registers;
 columns of the [P] output and, for sums over columns (FedMom's norm, FedGMA's mask density,
 FedCong's group counts, CGW's statistics), one partial per program that torch then adds in a
 fixed order. No atomics, so the bits do not depend on scheduling; columns are independent, so
-the [P] outputs do not depend on the grid or the block size either.
+the [P] outputs do not depend on the grid or the block size either (CGW's only through its
+weights x, whose float64 statistics are summed per block).
 
 The arithmetic is kernels.c's: every kernel forms the p-weighted mean of the params as
 ``acc = 0; acc = acc + p_k * w_kj`` (``_weighted_rows``), and the kernels are compiled without
