@@ -22,7 +22,7 @@ import torch
 
 from fedddp import strategies
 from fedddp.strategies import kernels
-from fedrun import REPO
+from fedrun import REPO, assert_same_state, final_state, run_fedddp
 from test_strategies import (as_gather_views, assert_close, hp_of, make_inputs, run, twin_cgw,
                              twin_feder, twin_fedcong, twin_fedgma, twin_fedmom, twin_weights)
 
@@ -283,6 +283,24 @@ def test_a_cpu_run_does_not_import_triton():
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("algorithm", ["fedgma", "cgw"])
+def test_a_run_through_the_triton_form_ends_with_the_c_forms_model(tmp_path, algorithm):
+    """The rules inside a run (strided views of the gather buffer, the round loop's dispatch):
+    the quickstart for 2 rounds with FEDDDP_KERNELS=triton in the interpreter writes the
+    final.pt of FEDDDP_KERNELS=c bit for bit, and its start line names the Triton form."""
+    if kernels._library() is None:
+        pytest.skip("no working C compiler")
+    outs = {}
+    for form in ("triton", "c"):
+        env = dict(os.environ, FEDDDP_KERNELS=form,
+                   TRITON_INTERPRET="1" if form == "triton" else "0")
+        outs[form] = tmp_path / form
+        proc = run_fedddp(["run.rounds=2", f"algorithm.name={algorithm}", "run.progress=true",
+                           "run.eval_every=2", f"run.out_dir={outs[form]}"], env=env)
+        assert ("Triton kernels in Triton's interpreter" in proc.stderr) == (form == "triton")
+    assert_same_state(final_state(outs["triton"]), final_state(outs["c"]))
 
 
 def test_benchmark_runs_the_triton_path_in_the_interpreter():
