@@ -55,7 +55,7 @@ def interpreted(monkeypatch):
     module = _load_interpreted()
     monkeypatch.setattr(kernels, "_triton_module", module)
     monkeypatch.setattr(module, "BLOCK", SMALL_BLOCK)
-    monkeypatch.setattr(module, "STATS_TILE", 256)      # CGW's statistics: 16-column blocks at K > 8
+    monkeypatch.setattr(module, "STATS_TILE", 256)    # CGW statistics: 16 columns a block at K > 8
     monkeypatch.setenv("FEDDDP_KERNELS", "triton")
     return module
 
