@@ -310,7 +310,7 @@ def _fedcong_block(W, ld, K, P, p, g, need, out, took_parts, pid, BLOCK: tl.cons
     w_pos = tl.full([BLOCK], 0, tl.float32)
     w_neg = tl.full([BLOCK], 0, tl.float32)
     w_all = tl.full([BLOCK], 0, tl.float32)
-    p_all = tl.full([BLOCK], 0, tl.float32)            # the same value in every lane
+    p_all = tl.full([], 0, tl.float32)                   # the weight of all clients, in order
     offset = tl.full([], 0, tl.int64)
     for k in range(K):
         pk = tl.load(p + k)
