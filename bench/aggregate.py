@@ -6,11 +6,15 @@
     python bench/aggregate.py --rules fedcong,cgw --counts 4 --models resnet18-c100 --no-naive
     python bench/aggregate.py --quick --march x86-64-v3   # the AVX2 kernels on any x86-64-v3 CPU
     python bench/aggregate.py --quick --lanes 16          # A/B: FedGMA's and FedCong's lane count
+    python bench/aggregate.py --device cuda               # Triton kernels beside the torch ops
+    TRITON_INTERPRET=1 python bench/aggregate.py --device cpu --kernel triton --smoke
+                                            # the CUDA code path on CPU, tiny sizes (a test)
 
 For each rule, K in {4, 32, 100} and P of seed 002's CNN (MNIST) and of ResNet-18 (CIFAR-100,
 buffers included, as fedddp flattens them), it prints one Markdown row:
   form         the form the runtime uses for the rule on this machine: "c" (fused C kernel) or
-               "torch" (torch ops), as chosen by the probe of fedddp.strategies.kernels
+               "torch" (torch ops), as chosen by the probe of fedddp.strategies.kernels; on
+               CUDA "triton" (fused Triton kernel) where triton imports
   ms/call      best time of one aggregate call over a few repetitions after a warm-up (inputs
                already on the device), in that form. On one CPU thread the clock is the
                process's CPU time (user + sys, so page faults of fresh outputs count) rather
@@ -21,10 +25,11 @@ buffers included, as fedddp flattens them), it prints one Markdown row:
   ratio        GB/s / copy bandwidth, where copy bandwidth = (read + write bytes) / time of one
                512 MiB tensor copy measured in the same run (so ratio 1 means the rule streams
                its input as fast as a copy moves bytes in and out)
-  C kernel     ms and ratio of the rule's fused C kernel (FEDDDP_KERNELS=c), on CPU only
-  torch-op     ms and ratio of the rule's torch-op form (FEDDDP_KERNELS=torch; what CUDA runs),
-               on CPU only (--no-torch-form skips it); the default form's figures are the
-               ones of its form, measured once
+  C / Triton   ms and ratio of the rule's fused kernel: the C kernel (FEDDDP_KERNELS=c) on
+               CPU, the Triton kernel (FEDDDP_KERNELS=triton) on CUDA (--kernel picks)
+  torch-op     ms and ratio of the rule's torch-op form (FEDDDP_KERNELS=torch; the fallback
+               on CUDA; --no-torch-form skips it); the default form's figures are the ones
+               of its form, measured once
   naive ratio  the same for the obvious composition of torch ops (every step materialising its
                [K, P] temporary), and speedup = naive ms / fused ms.
 Naive versions that would need more than NAIVE_BUDGET bytes of temporaries are skipped.
@@ -63,11 +68,17 @@ CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = time.perf_counter
 
 
+SMOKE = False   # --smoke: one timed call each, tiny sizes (the code path, not a measurement)
+
+
 def timed(fn, device, min_total=0.4, max_reps=30) -> float:
-    """Best seconds per call after one warm-up; fewer repetitions for slow calls (on a shared
+    """Best seconds per call after one warm-up (none with --smoke); fewer repetitions for slow calls (on a shared
     machine the best of many short calls is the stable figure)."""
-    fn()
-    sync(device)
+    if SMOKE:
+        min_total, max_reps = 0.0, 1
+    else:
+        fn()
+        sync(device)
     times = []
     while len(times) < max_reps and (len(times) < 2 or sum(times) < min_total):
         start = clock()
@@ -81,14 +92,18 @@ def timed(fn, device, min_total=0.4, max_reps=30) -> float:
 
 def copy_bandwidth(device) -> float:
     """(read + write) bytes per second of one 512 MiB copy."""
-    src = torch.rand(128 * 2 ** 20, device=device)
+    src = torch.rand(2 ** 16 if SMOKE else 128 * 2 ** 20, device=device)
     dst = torch.empty_like(src)
     seconds = timed(lambda: dst.copy_(src), device, min_total=1.0, max_reps=10)
     return 2 * src.numel() * 4 / seconds
 
 
 def model_layouts():
-    """(name, P, conv_group_P) for seed 002's CNN on MNIST and ResNet-18 on CIFAR-100."""
+    """(name, P, conv_group_P, L) for seed 002's CNN on MNIST and ResNet-18 on CIFAR-100
+    (--smoke: a made-up 1,001-column layout of 3 conv layers)."""
+    if SMOKE:
+        group_P = torch.cat([torch.full((5,), -1), torch.arange(3).repeat_interleave(332)])
+        return [("smoke", group_P.numel(), group_P, 3)]
     try:
         from fedddp.models import cnn, resnet18
         nets = [("cnn-mnist", cnn((1, 28, 28), 10)), ("resnet18-c100", resnet18((3, 32, 32), 100))]
@@ -187,7 +202,14 @@ def main() -> None:
                         help="comma-separated subset of cnn-mnist,resnet18-c100 (default both)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive compositions")
     parser.add_argument("--no-torch-form", action="store_true",
-                        help="on CPU, skip timing the rules' torch-op form (their CUDA form)")
+                        help="skip timing the rules' torch-op form")
+    parser.add_argument("--kernel", choices=("c", "triton"), default=None,
+                        help="the fused form timed beside the torch ops: c (default on CPU) or "
+                             "triton (default on CUDA; on CPU only under TRITON_INTERPRET=1)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes and one call per form, no naive forms: checks the code "
+                             "path (e.g. the Triton one on CPU under the interpreter), measures "
+                             "nothing")
     parser.add_argument("--march", default="native",
                         help="-march of the C kernels' build (e.g. x86-64-v3: the AVX2 code path on "
                              "an AVX-512 machine; 'baseline': the compiler's default)")
@@ -202,12 +224,13 @@ def main() -> None:
                              "CPU thread, wall otherwise")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    global clock
+    global clock, SMOKE
+    SMOKE = args.smoke
     clock_name = args.clock or ("cpu" if args.device == "cpu" and args.threads == 1 else "wall")
     clock = CLOCK[clock_name]
     device = torch.device(args.device)
     rules = [r for r in args.rules.split(",") if r]
-    counts = (4, 32) if args.quick else (4, 32, 100)
+    counts = (3,) if args.smoke else (4, 32) if args.quick else (4, 32, 100)
     if args.counts:
         counts = tuple(int(k) for k in args.counts.split(","))
     models = args.models.split(",") if args.models else None
@@ -219,9 +242,15 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"device: {name}; torch {torch.__version__}; clock: {clock_name}; "
           f"load average at start {load:.1f}; THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE')}")
-    # both forms where the C kernels apply (CPU); the default is the one the runtime chose
-    forms = ["torch"] if device.type != "cpu" else ["c"] if args.no_torch_form else ["c", "torch"]
-    if device.type == "cpu":
+    kernel = args.kernel or ("c" if device.type == "cpu" else "triton")
+    if kernel == "triton":
+        os.environ["FEDDDP_KERNELS"] = "triton"       # lib() says whether Triton runs here
+        if kernels.lib(torch.zeros(1, device=device)) is None:
+            print("Triton kernels: unavailable (they need CUDA and triton, or on CPU "
+                  "TRITON_INTERPRET=1)")
+            kernel = None
+        chosen = {rule: kernel or "torch" for rule in rules}
+    elif device.type == "cpu":
         print(f"cpu: {kernels.cpu_description()}")
         try:
             kernels._loaded = kernels.compile_library(None if args.march == "baseline" else args.march,
@@ -232,12 +261,18 @@ def main() -> None:
         os.environ.pop("FEDDDP_KERNELS", None)
         chosen = {rule: kernels.forms()[rule][0] if kernels._loaded is not None else "torch"
                   for rule in rules}
-    else:
+    else:                                             # --kernel c: the C kernels are CPU-only
+        kernel = None
         chosen = {rule: "torch" for rule in rules}
+    # the fused form beside the torch ops; the default is the one the runtime chose
+    forms = ([kernel] if kernel else []) + ([] if args.no_torch_form and kernel else ["torch"])
     print(f"form of the rules: {kernels.describe(device)}")
-    print(f"copy bandwidth (512 MiB tensor copy, read + write bytes): {bandwidth / 1e9:.1f} GB/s\n")
-    print("| rule | K | P | stacks | form | ms/call | GB/s | ratio | C ms | C ratio | torch-op ms "
-          "| torch-op ratio | naive ms | naive ratio | speedup |")
+    os.environ.pop("FEDDDP_KERNELS", None)
+    print(f"copy bandwidth ({'256 KiB' if SMOKE else '512 MiB'} tensor copy, read + write bytes): "
+          f"{bandwidth / 1e9:.1f} GB/s\n")
+    fused_name = "Triton" if kernel == "triton" else "C"
+    print(f"| rule | K | P | stacks | form | ms/call | GB/s | ratio | {fused_name} ms | {fused_name} "
+          "ratio | torch-op ms | torch-op ratio | naive ms | naive ratio | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -269,7 +304,7 @@ def main() -> None:
                                              alpha=0.01)
                 read_bytes = num_stacks * num_clients * num_params * 4
                 seconds = {}
-                for _ in range(2):        # both forms twice, alternating: they share any drift
+                for _ in range(1 if SMOKE else 2):   # both forms twice, alternating: they share any drift
                     for form in forms:
                         os.environ["FEDDDP_KERNELS"] = form
                         best = timed(lambda: strategy.aggregate(global_P, stacks, state, HP), device)
@@ -282,7 +317,7 @@ def main() -> None:
                 def cells(f):
                     return (f"{seconds[f] * 1e3:.1f} | {read_bytes / seconds[f] / bandwidth:.2f}"
                             if f in seconds else "- | -")
-                if args.no_naive:
+                if args.no_naive or args.smoke:
                     naive = "- | - | -"
                 elif num_temps * num_clients * num_params * 4 <= NAIVE_BUDGET:
                     naive_s = timed(lambda: naive_fn(global_P, stacks, state, HP), device)
@@ -292,7 +327,7 @@ def main() -> None:
                     naive = "skipped (memory) | - | -"
                 print(f"| {rule} | {num_clients} | {num_params:,} | {num_stacks} | {form} | "
                       f"{fused_s * 1e3:.1f} | {fused_rate / 1e9:.1f} | {fused_rate / bandwidth:.2f} | "
-                      f"{cells('c')} | {cells('torch')} | {naive} |", flush=True)
+                      f"{cells(kernel)} | {cells('torch')} | {naive} |", flush=True)
             stacks = params_KP = None  # free the stacks before the next K
     print(f"\ntotal bench time: {time.perf_counter() - start:.0f} s")
 

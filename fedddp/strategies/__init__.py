@@ -119,9 +119,9 @@ def client_weights_K(stacks: Stacks, hp) -> torch.Tensor:
 
 
 def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Tensor:
-    """sum_k w_k rows_k in one pass over [K, P]: the fused CPU kernel (whose client-order sums
-    every other kernel repeats, so a rule's neutral setting gives these bits), else one
-    matrix-vector product."""
+    """sum_k w_k rows_k in one pass over [K, P]: the fused kernel, C on CPU or Triton on CUDA
+    (whose client-order sums every other kernel of its form repeats, so a rule's neutral
+    setting gives these bits), else one matrix-vector product."""
     lib = kernels.lib(rows_KP, rule="fedavg")
     if lib is None:
         return weights_K.to(rows_KP.dtype) @ rows_KP

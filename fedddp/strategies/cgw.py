@@ -12,10 +12,11 @@ intended: they take back part of a dissenting client's contribution).
 Precision. Near a stationary point on non-IID data the clients' gradients nearly cancel
 (||D|| << ||D_k||), and m_k must come from D itself, summed in float64: a float32 Gram matrix
 (m = G 1) or a float32 D loses every digit of m at ||D|| / ||D_k|| ~ 1e-3 and below. So D, the
-norms and the dot products are float64 sums of the float32 reports (one fused pass on CPU, a
-float64 block at a time elsewhere), and c and x are float64. A client is left out only when
-||D_k|| is exactly 0; a tiny but nonzero D_k gets a huge x_k, whose product with D_k is still
-bounded by c, so rows whose x_k float32 cannot hold at full precision are applied in float64.
+norms and the dot products are float64 sums of the float32 reports (one fused pass on CPU and on
+CUDA, a float64 block at a time in the torch ops), and c and x are float64. A client is left out
+only when ||D_k|| is exactly 0; a tiny but nonzero D_k gets a huge x_k, whose product with D_k is
+still bounded by c, so rows whose x_k float32 cannot hold at full precision are applied in
+float64.
 
 A client with ||D_k|| = 0 has no direction to weigh (eq. 29 divides by it): it gets x_k = 0 and
 is left out of c and of the sums (it adds nothing to D either); the count is a diagnostic. If

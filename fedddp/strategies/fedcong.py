@@ -15,7 +15,8 @@ Our choices where the paper is silent:
     (hp.weighting = "uniform" gives the plain mean of the group).
 
 On CPU one fused kernel (kernels.c) does all of it in a single pass, with every per-column
-count and sum in registers. Elsewhere (the torch-op form), per block of columns: a
+count and sum in registers; on CUDA its Triton twin (triton_kernels.py). Elsewhere (the
+torch-op form), per block of columns: a
 matrix-vector product for the all-clients sum (it reads the block from memory), the 0/1
 indicators of the two groups (one [2K, B] buffer, in cache), one matmul for the group counts
 and p-sums, an in-place product with the params and one matmul for the group-weighted sums:
@@ -48,7 +49,8 @@ def aggregate(global_P, stacks, state, hp):
     lib = kernels.lib(params_KP, global_P, rule="fedcong")
     if lib is not None:
         new_global_P, took_pos, took_neg = kernels.fedcong(lib, params_KP, weights_K, global_P, need)
-        took_2 = torch.tensor([took_pos, took_neg], dtype=torch.float64) / num_params
+        took_2 = torch.stack([torch.as_tensor(took, dtype=torch.float64)
+                              for took in (took_pos, took_neg)]) / num_params
         return new_global_P, state, _diagnostics(took_2, dtype)
     # alpha > 1/2: at most one group can qualify, so the choice is just the two thresholds
     exclusive = 2 * need > num_clients

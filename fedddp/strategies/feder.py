@@ -11,9 +11,9 @@ client to 1e-3 and reduce to the uniform mean (expected).
 
 The layout's runs of columns that follow one conv layer (``conv_runs_R3``: at most one per
 tensor, 62 for ResNet-18 with buffers) each take one column of the small [K, L+1] weight table
-(column 0 = uniform): one fused pass over the params on CPU (the same kernel as FedAvg, with a
-weight vector per run), one matrix-vector product per run elsewhere. No [K, P] weight matrix
-is built and the params are read once. Diagnostics: alpha_KL.
+(column 0 = uniform): one fused pass over the params on CPU and CUDA (the same kernel as
+FedAvg, with a weight vector per run), one matrix-vector product per run in the torch ops. No
+[K, P] weight matrix is built and the params are read once. Diagnostics: alpha_KL.
 Legend: K sampled clients, P flat parameters, L conv layers, R runs of equal conv group.
 """
 

@@ -14,8 +14,9 @@ The threshold p K is taken as the integer ceil(p K) with a 1e-9 slack, so that e
 K = 25 (0.28 * 25 = 7.000000000000001 in floating point) asks for 7 agreeing clients.
 With gma_grad = "delta" the clients send no gradient: the delta is computed from params_KP.
 
-On CPU one fused kernel (kernels.c) reads W and G once and forms the mean, the weighted
-gradient, the sign count and the mask per column in registers. Elsewhere the mask needs sign(g)
+On CPU one fused kernel (kernels.c), on CUDA its Triton twin (triton_kernels.py), reads W and
+G once and forms the mean, the weighted gradient, the sign count and the mask per column in
+registers. Elsewhere the mask needs sign(g)
 over [K, P]; it is computed a block of columns at a time so that the [K, B] temporaries stay in
 cache (and memory stays flat for large K), G is read from memory once, and both reductions over
 clients are matrix-vector products.
@@ -42,7 +43,7 @@ def aggregate(global_P, stacks, state, hp):
     if lib is not None:
         new_global_P, mask_sum = kernels.fedgma(lib, params_KP, grads_KP, weights_K, global_P, need,
                                                 soft, float(hp.server_lr))
-        density = torch.tensor(mask_sum / num_params, dtype=params_KP.dtype)
+        density = (torch.as_tensor(mask_sum, dtype=torch.float64) / num_params).to(params_KP.dtype)
         return new_global_P, state, {"mask_density": density}
 
     mean_P = weighted_mean_P(weights_K, params_KP)

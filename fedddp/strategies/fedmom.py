@@ -33,7 +33,7 @@ def aggregate(global_P, stacks, state, hp):
     if lib is not None:
         new_global_P, sq_norm = kernels.fedmom(lib, params_KP, weights_K, global_P, previous_P,
                                                momentum)
-        velocity_norm = torch.tensor(sq_norm, dtype=torch.float64).sqrt().to(global_P.dtype)
+        velocity_norm = torch.as_tensor(sq_norm, dtype=torch.float64).sqrt().to(global_P.dtype)
     else:
         velocity_P = torch.sub(global_P, previous_P)
         new_global_P = weighted_mean_P(weights_K, params_KP).add_(velocity_P, alpha=momentum)

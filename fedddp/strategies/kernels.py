@@ -15,15 +15,24 @@ on a [16, 300007] stack (a fraction of a second in all) and keeps the faster (th
 the torch ops win by more than 25%, see TORCH_MARGIN); the choice is cached beside the built
 library (same CPU hash) with the torch version it was measured against. FedMom, FedGMA and
 CGW take their kernel only where FedAvg does, so that their neutral settings keep giving
-FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c`` or
-``=torch`` forces one form for every rule (the tests compare the two).
+FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c``,
+``=triton`` or ``=torch`` forces one form for every rule where it applies (the tests compare
+them); tensors it does not apply to (CUDA for c, CPU for triton outside the interpreter) run
+the torch ops.
 
-``lib(*tensors, rule=...)`` returns the library when the rule's chosen form is the kernel and
-every tensor is a float32 CPU tensor whose columns are contiguous, else None: the rule then
-runs its torch-op form, which is also the form used on CUDA (and the fallback, announced once
-on stderr, where no compiler works). Both forms are deterministic; they may differ from each
-other in the last bits, since they sum in different orders, and the run's start line records
-which one each rule used and why (``describe``).
+On CUDA the fused form is the Triton kernels of triton_kernels.py (Triton ships with CUDA
+builds of torch), imported on first use; without triton the rules run their torch ops there.
+``FEDDDP_KERNELS=triton`` also sends CPU tensors through the Triton kernels when Triton's
+interpreter is on (``TRITON_INTERPRET=1`` before triton is imported): how the tests check them
+without a GPU.
+
+``lib(*tensors, rule=...)`` returns the fused form for these tensors: the C library (float32
+CPU tensors whose columns are contiguous, where the rule's chosen form is the kernel), the
+triton_kernels module (such CUDA tensors), else None: the rule then runs its torch-op form
+(also the fallback, announced once on stderr, where no compiler works or triton does not
+import). The wrappers below (mean, mix, fedmom, ...) take either form. Every form is
+deterministic; they may differ from each other in the last bits, since they sum in different
+orders, and the run's start line records which one each rule used and why (``describe``).
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ SIGNATURES = {
 
 _loaded: ctypes.CDLL | None = None
 _failure: str | None = None
+_triton_module = None                    # fedddp.strategies.triton_kernels, once imported
+_triton_failure: str | None = None
 
 
 def _cpu_signature() -> str:
@@ -150,6 +161,38 @@ def _library() -> ctypes.CDLL | None:
     return _loaded
 
 
+def _triton():
+    """triton_kernels, imported on first use (triton is slow to import); None without triton."""
+    global _triton_module, _triton_failure
+    if _triton_module is None and _triton_failure is None:
+        try:
+            from . import triton_kernels
+            _triton_module = triton_kernels
+        except (ImportError, RuntimeError) as exc:
+            _triton_failure = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            print(f"fedddp: Triton kernels unavailable ({_triton_failure}); server rules on the GPU "
+                  "use torch ops (slower aggregation). Install triton (it ships with CUDA builds "
+                  "of torch).", file=sys.stderr)
+    return _triton_module
+
+
+def _interpreted_triton():
+    """triton_kernels when FEDDDP_KERNELS=triton may run them on CPU tensors: Triton's
+    interpreter was on when they were defined. Else None, said once on stderr."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and _triton_module is None:
+        module = None                    # not even imported: no interpreter to run them
+    else:
+        module = _triton()
+    if module is not None and module.INTERPRETED:
+        return module
+    if "triton-cpu" not in _warned:
+        _warned.add("triton-cpu")
+        print("fedddp: FEDDDP_KERNELS=triton runs CPU tensors through the Triton kernels only under "
+              "Triton's interpreter; server rules on CPU use torch ops. Set TRITON_INTERPRET=1 "
+              "before fedddp imports triton.", file=sys.stderr)
+    return None
+
+
 # -- which form each rule takes -----------------------------------------------------------------
 
 # The rules with a fused kernel; every other rule's averages go through weighted_mean_P, which
@@ -188,17 +231,18 @@ def forced(form: str):
 
 
 def _mode() -> str:
-    """"c" or "torch" when forced (FEDDDP_KERNELS, the probe timing one form, or ``forced``),
+    """"c", "triton" or "torch" when forced (FEDDDP_KERNELS, the probe timing one form, or ``forced``),
     else "auto"."""
     if _probing is not None:
         return _probing
     mode = os.environ.get("FEDDDP_KERNELS", "auto")
-    if mode in ("c", "torch"):
+    if mode in ("c", "triton", "torch"):
         return mode
     if mode not in ("auto", "") and mode not in _warned:
         _warned.add(mode)
-        print(f"fedddp: FEDDDP_KERNELS={mode!r} is not one of c, torch, auto; using auto (each "
-              "rule's faster form). Set FEDDDP_KERNELS=c or =torch to force one.", file=sys.stderr)
+        print(f"fedddp: FEDDDP_KERNELS={mode!r} is not one of c, triton, torch, auto; using auto "
+              "(each rule's faster form). Set FEDDDP_KERNELS=c, =triton or =torch to force one.",
+              file=sys.stderr)
     return "auto"
 
 
@@ -305,15 +349,24 @@ def forms() -> dict[str, tuple[str, str]]:
     return _forms
 
 
-def lib(*tensors: torch.Tensor, rule: str | None = None) -> ctypes.CDLL | None:
-    """The compiled kernels if this rule's form is the kernel and they apply to these tensors
-    (float32, CPU, unit column stride); rule None: whenever they apply."""
+def lib(*tensors: torch.Tensor, rule: str | None = None):
+    """The fused form for these tensors (float32, unit column stride, one device): on CPU the
+    compiled C kernels if this rule's form is the kernel (rule None: whenever they apply), or
+    under FEDDDP_KERNELS=triton the interpreted Triton kernels; on CUDA the Triton kernels
+    (triton_kernels). None: the rule's torch ops."""
     mode = _mode()
     if mode == "torch":
         return None
+    device = tensors[0].device
     for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32 or (t.dim() and t.stride(-1) != 1):
+        if t.device != device or t.dtype != torch.float32 or (t.dim() and t.stride(-1) != 1):
             return None
+    if device.type == "cuda":
+        return _triton() if mode in ("auto", "triton") else None
+    if device.type != "cpu":
+        return None
+    if mode == "triton":
+        return _interpreted_triton()
     library = _library()
     if library is None or mode == "c" or rule is None:
         return library
@@ -325,11 +378,23 @@ def describe(device: torch.device, rule: str | None = None) -> str:
     start line; on CPU it builds the kernels and runs the probe if they are not cached."""
     if rule is not None and ":" in rule:
         return "torch ops (a plugin server rule runs in torch ops on every device)"
-    if device.type != "cpu":
-        return "torch ops"
     mode = _mode()
     if mode == "torch":
         return "torch ops (FEDDDP_KERNELS=torch)"
+    if device.type == "cuda":
+        if mode == "c":
+            return "torch ops (FEDDDP_KERNELS=c: the C kernels run on CPU tensors only)"
+        if _triton() is None:
+            return f"torch ops (Triton unavailable: {_triton_failure})"
+        if rule is not None and rule not in RULES:
+            return "fused Triton kernel for its averages, as fedavg (float32 reports)"
+        return "fused Triton kernel" + ("s" if rule is None else "") + " (float32 reports)"
+    if device.type != "cpu":
+        return "torch ops"
+    if mode == "triton":
+        if _interpreted_triton() is None:
+            return "torch ops (FEDDDP_KERNELS=triton without TRITON_INTERPRET=1)"
+        return "fused Triton kernels in Triton's interpreter (FEDDDP_KERNELS=triton)"
     if _library() is None:
         return "torch ops (no C compiler)"
     if mode == "c":
@@ -351,7 +416,13 @@ def describe(device: torch.device, rule: str | None = None) -> str:
 
 # -- calls: torch tensors in, fresh [P] output out; rows_KP may be a strided view (row stride
 # ld >= P), vectors must be contiguous. Scratch buffers (tail chunks, CGW's statistics) are the
-# only other allocations. --
+# only other allocations. `lib` is what lib() returned: the C library, or the triton_kernels
+# module, whose functions take the same arguments and return scalars as 0-d device tensors
+# (Python numbers from C): the rules take either through torch.as_tensor. --
+
+def _is_triton(lib) -> bool:
+    return not isinstance(lib, ctypes.CDLL)
+
 
 def _check(status: int) -> None:
     if status != 0:
@@ -367,6 +438,8 @@ def _vector(t: torch.Tensor) -> torch.Tensor:
 def mean(lib, rows_KP: torch.Tensor, weights_K: torch.Tensor) -> torch.Tensor:
     """out_j = sum_k weights_k rows_kj: fd_mix with one run, its bounds a ctypes array (a
     torch.tensor costs ~16 us, a tenth of a small model's whole average)."""
+    if _is_triton(lib):
+        return lib.mean(rows_KP, weights_K)
     num_clients, num_params = rows_KP.shape
     weights_K = _vector(weights_K)
     out_P = torch.empty(num_params, dtype=torch.float32)
@@ -377,6 +450,8 @@ def mean(lib, rows_KP: torch.Tensor, weights_K: torch.Tensor) -> torch.Tensor:
 
 def mix(lib, rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.Tensor) -> torch.Tensor:
     """out_j = sum_k weights[r, k] rows_kj for the columns [bounds[r], bounds[r + 1]) of run r."""
+    if _is_triton(lib):
+        return lib.mix(rows_KP, weights_RK, bounds_R1)
     num_clients, num_params = rows_KP.shape
     weights_RK, bounds_R1 = _vector(weights_RK), bounds_R1.to(torch.int64).contiguous()
     out_P = torch.empty(num_params, dtype=torch.float32)
@@ -387,6 +462,8 @@ def mix(lib, rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.T
 
 def fedmom(lib, rows_KP, weights_K, global_P, previous_P, momentum: float):
     """(mean + m (w - w_prev), ||that - w||^2 as a float)."""
+    if _is_triton(lib):
+        return lib.fedmom(rows_KP, weights_K, global_P, previous_P, momentum)
     num_clients, num_params = rows_KP.shape
     weights_K, global_P, previous_P = _vector(weights_K), _vector(global_P), _vector(previous_P)
     out_P, sq_norm = torch.empty(num_params, dtype=torch.float32), ctypes.c_double()
@@ -398,6 +475,8 @@ def fedmom(lib, rows_KP, weights_K, global_P, previous_P, momentum: float):
 
 def cgw(lib, rows_KP, grads_KP, weights_K, x_K):
     """sum_k p_k w_k - sum_k x_k D_k."""
+    if _is_triton(lib):
+        return lib.cgw(rows_KP, grads_KP, weights_K, x_K)
     num_clients, num_params = rows_KP.shape
     weights_K, x_K = _vector(weights_K), _vector(x_K)
     out_P = torch.empty(num_params, dtype=torch.float32)
@@ -409,6 +488,8 @@ def cgw(lib, rows_KP, grads_KP, weights_K, x_K):
 
 def cgw_stats(lib, grads_KP):
     """(||D_k||^2, D_k . sum_j D_j) as float64 [K] tensors, every sum in float64."""
+    if _is_triton(lib):
+        return lib.cgw_stats(grads_KP)
     num_clients, num_params = grads_KP.shape
     sq_norm_K = torch.empty(num_clients, dtype=torch.float64)
     m_K = torch.empty(num_clients, dtype=torch.float64)
@@ -419,6 +500,8 @@ def cgw_stats(lib, grads_KP):
 
 def fedgma(lib, rows_KP, grads_KP, weights_K, global_P, need: int, soft: bool, server_lr: float):
     """(new global, sum of the mask); grads_KP None: the gradient is the delta w - w_k."""
+    if _is_triton(lib):
+        return lib.fedgma(rows_KP, grads_KP, weights_K, global_P, need, soft, server_lr)
     num_clients, num_params = rows_KP.shape
     weights_K, global_P = _vector(weights_K), _vector(global_P)
     out_P, mask_sum = torch.empty(num_params, dtype=torch.float32), ctypes.c_double()
@@ -431,6 +514,8 @@ def fedgma(lib, rows_KP, grads_KP, weights_K, global_P, need: int, soft: bool, s
 
 def fedcong(lib, rows_KP, weights_K, global_P, need: int):
     """(new global, columns that took the positive group, the negative group)."""
+    if _is_triton(lib):
+        return lib.fedcong(rows_KP, weights_K, global_P, need)
     num_clients, num_params = rows_KP.shape
     weights_K, global_P = _vector(weights_K), _vector(global_P)
     out_P, took = torch.empty(num_params, dtype=torch.float32), (ctypes.c_int64 * 2)()
