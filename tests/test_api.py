@@ -119,11 +119,17 @@ for name in ("first", "second", "own"):
         dist.init_process_group("gloo")
     results.append(fedddp.run(config, overrides, out_dir=os.path.join(out, name)))
     assert dist.is_initialized() == (name == "own")  # fedddp's own groups are closed
+try:  # rank 0 refuses a folder holding results; the others learn only its exit status
+    fedddp.run(config, overrides, out_dir=os.path.join(out, "first"))
+    refused = None
+except fedddp.ConfigError as exc:
+    refused = type(exc).__name__
 flag = torch.ones(1)
 dist.all_reduce(flag)
 assert flag.item() == dist.get_world_size() == 2
 dist.destroy_process_group()
-torch.save({"metrics": [r.metrics for r in results], "state": [r.state_dict for r in results]},
+torch.save({"metrics": [r.metrics for r in results], "state": [r.state_dict for r in results],
+            "refused": refused},
            os.path.join(out, f"result_rank{os.environ['RANK']}.pt"))
 """
 
@@ -133,7 +139,8 @@ def test_every_rank_under_torchrun_gets_the_one_rank_result(tmp_path):
     """Guards fedddp.run in a user's script under torchrun: each rank calls it twice in groups
     fedddp makes (the second once read the first group's stale addresses from torchrun's store
     and could not connect), then in one the script made and keeps, and every rank's result is
-    rank 0's metrics and the bitwise state of a one-rank run."""
+    rank 0's metrics and the bitwise state of a one-rank run; rank 0's refusal is the same
+    exception class on every rank."""
     script = tmp_path / "script.py"
     script.write_text(RANK_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
@@ -145,6 +152,7 @@ def test_every_rank_under_torchrun_gets_the_one_rank_result(tmp_path):
     one_rank = fedddp.run(QUICKSTART, SMALL, out_dir=tmp_path / "one")
     for rank in (0, 1):
         result = torch.load(tmp_path / f"result_rank{rank}.pt", weights_only=True)
+        assert result["refused"] == "ConfigError"
         for name, rows, state in zip(("first", "second", "own"), result["metrics"], result["state"]):
             assert rows == metrics(tmp_path / name)
             assert_same_state(state, final_state(tmp_path / name))
