@@ -57,7 +57,7 @@ def test_two_calls_in_one_process_leave_torch_settings_as_found(tmp_path):
         torch.manual_seed(1234)
         expected_draw = torch.rand(4)
         torch.manual_seed(1234)
-        second = fedddp.run(QUICKSTART, SMALL, out_dir=tmp_path / "second")
+        second = fedddp.run(first.config, out_dir=tmp_path / "second")  # a resolved Config is a config
         assert torch.get_num_threads() == 3
         assert torch.get_default_dtype() == torch.float64
         assert torch.equal(torch.rand(4), expected_draw)
