@@ -51,11 +51,13 @@ def run(config: str | os.PathLike | Mapping[str, Any] | config_module.Config,
     try:
         return execute(env.resolve(), config, overrides, result=True)
     except UserError as exc:
-        if isinstance(exc, ERRORS):
-            raise
         # Rank 0's refusal reaches the other ranks as its exit status alone: raise the class of
-        # that status, so one ``except fedddp.ConfigError`` serves every rank.
-        raise next(cls for cls in ERRORS if cls.exit_code == exc.exit_code)(str(exc)) from None
+        # that status, so one ``except fedddp.ConfigError`` serves every rank (status 1, a bug
+        # on rank 0, has no class: its traceback is rank 0's).
+        public = next((cls for cls in ERRORS if cls.exit_code == exc.exit_code), None)
+        if isinstance(exc, ERRORS) or public is None:
+            raise
+        raise public(str(exc)) from None
     finally:
         saved.restore()
 

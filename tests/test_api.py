@@ -16,11 +16,13 @@ import torch.distributed as dist
 import fedddp
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
+from fedddp.round import _RankZeroRefused
 from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, metrics, run_fedddp
 
 SMALL = ["run.rounds=3", "run.ckpt_every=0", "run.progress=false"]
 
 
+@pytest.mark.slow
 def test_path_and_dict_configs_give_the_cli_bits(tmp_path):
     """Guards the one code path: the API's result is the run folder's (metrics.jsonl rows,
     final.pt) and bitwise the CLI's run of the same config, whether the config is a file or
@@ -90,6 +92,19 @@ def test_mistakes_raise_their_error_not_system_exit(tmp_path):
         torch.set_num_threads(threads)
     assert {cls.__name__ for cls in (fedddp.DivergenceError, fedddp.DiskFullError, fedddp.StalledError)} == {
         "DivergenceError", "DiskFullError", "StalledError"}
+
+
+@pytest.mark.parametrize("status, raised", [(2, fedddp.ConfigError), (4, fedddp.DivergenceError), (1, _RankZeroRefused)])
+def test_rank_zero_verdict_is_its_class_on_the_other_ranks(monkeypatch, status, raised):
+    """Guards ``except fedddp.ConfigError`` on every rank: a rank that learns only rank 0's exit
+    status raises that status's class, and status 1 (rank 0's bug) left a StopIteration."""
+    def refused(*args, **kwargs):
+        raise _RankZeroRefused(status)
+
+    monkeypatch.setattr("fedddp.api.execute", refused)
+    with pytest.raises(raised, match=f"rank 0 stopped the run \\(exit status {status}\\)") as info:
+        fedddp.run({})
+    assert type(info.value) is raised
 
 
 def test_a_process_group_of_another_world_is_refused(tmp_path):
