@@ -22,6 +22,14 @@ from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, 
 SMALL = ["run.rounds=3", "run.ckpt_every=0", "run.progress=false"]
 
 
+def test_import_fedddp_stays_without_torch():
+    """Guards the fast start: exporting fedddp.run eagerly would import torch (and the whole
+    runtime) for every ``import fedddp``, the error classes included."""
+    code = "import sys, fedddp; from fedddp import ConfigError, DataError; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
 @pytest.mark.slow
 def test_path_and_dict_configs_give_the_cli_bits(tmp_path):
     """Guards the one code path: the API's result is the run folder's (metrics.jsonl rows,
