@@ -42,22 +42,15 @@ def main(argv: list[str] | None = None) -> int:
             print("fedddp: error: --check needs a config file or overrides", file=sys.stderr)
             return 2
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    comm, rank, world_size = None, 0, 1
+    rank, world_size = 0, 1
     try:
         if check:
             return _check(path, overrides)
         proc = env.resolve()
         rank, world_size = proc.rank, proc.world_size
-        cfg = config.load(path, overrides)
-        from .comm import Comm
-        from .round import run
-        comm = Comm(proc, cfg.run.device, cfg.run.collective_timeout_s)
-        try:
-            _resume_after_torchrun_restart(cfg, comm)
-            run(cfg, comm)
-        except RuntimeError as exc:  # a collective timed out: a peer that stalled is named, not a traceback
-            comm.explain_failure(exc)
-            raise
+        from .api import execute
+
+        execute(proc, path, overrides)
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
         # rank's own (its clients' files), so each rank that has one says it; so does a rank
@@ -72,9 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fedddp: interrupted", file=sys.stderr)
         return 130
-    finally:
-        if comm is not None:
-            comm.close()
     return 0
 
 
@@ -100,23 +90,6 @@ def _check(path: str | None, overrides: list[str]) -> int:
     print(f"fedddp: {path or 'config'}: configuration and data OK ({cfg.data.name}, "
           f"{cfg.data.num_clients} clients)", file=sys.stderr)
     return 0
-
-
-def _resume_after_torchrun_restart(cfg, comm) -> None:
-    """torchrun --max-restarts=N restarts the whole group after a rank dies: the new workers
-    continue from the last checkpoint instead of starting over (docs/launching.md). The count
-    is kept per node (an agent whose own workers were healthy restarts them without counting
-    one), so the ranks agree first: any restarted rank makes every rank resume."""
-    import torch
-
-    restarts = torch.tensor([float(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)],
-                            device=comm.device)
-    comm.all_reduce_sum_(restarts)
-    if restarts.item() > 0 and not cfg.run.resume:
-        cfg.run.resume = True
-        if comm.is_main:
-            print(f"fedddp: restarted by torchrun: resuming from the last checkpoint in "
-                  f"{cfg.run.out_dir}", file=sys.stderr)
 
 
 if __name__ == "__main__":

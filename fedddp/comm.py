@@ -31,6 +31,8 @@ STALLED_EXIT = StalledError.exit_code  # exit status of the live ranks when a ra
 
 
 class Comm:
+    groups_made = 0  # process groups this process has made: the same count on every rank
+
     def __init__(self, env: ProcessEnv, device: str, timeout_s: float = 1800.0):
         self.env = env
         self.rank = env.rank
@@ -46,13 +48,24 @@ class Comm:
             self.device = torch.device("cpu")
         self.backend = "nccl" if device == "cuda" else "gloo"
         self.distributed = env.source != "single"
-        if self.distributed and not dist.is_initialized():
+        # A group the caller initialised (a script under torchrun calling fedddp.run) is used
+        # and left open; only a group made here is destroyed by close().
+        self.owns_group = self.distributed and not dist.is_initialized()
+        if self.distributed and not self.owns_group:
+            _check_group(env, self.backend)
+        if self.owns_group:
             try:
+                timeout = datetime.timedelta(seconds=timeout_s)
+                store, _, _ = next(dist.rendezvous(f"tcp://{env.master_addr}:{env.master_port}", env.rank,
+                                                   env.world_size, timeout=timeout))
+                # The store outlives a destroyed group (torchrun's agent keeps it), and a group made
+                # again in the same process (fedddp.run called twice) would read the old group's
+                # addresses from it: each group this process makes gets keys of its own.
+                Comm.groups_made += 1
                 dist.init_process_group(
-                    self.backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                    self.backend, store=dist.PrefixStore(f"fedddp/{Comm.groups_made}", store),
                     rank=env.rank, world_size=env.world_size,
-                    device_id=self.device if device == "cuda" else None,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+                    device_id=self.device if device == "cuda" else None, timeout=timeout)
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower():
                     raise
@@ -92,6 +105,14 @@ class Comm:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
+    def broadcast_object(self, obj, src: int = 0):
+        """A picklable object from ``src`` (small: metric rows, not tensors) to every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
     def barrier(self) -> None:
         if self.distributed:
             if self.backend == "nccl":
@@ -110,8 +131,21 @@ class Comm:
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        if self.distributed and dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_group(env: ProcessEnv, backend: str) -> None:
+    """A process group initialised before fedddp: it must be the launcher's world and carry the
+    run's backend (gloo for run.device = cpu, nccl for cuda), or every collective would fail."""
+    have = dist.get_backend()
+    if (dist.get_rank(), dist.get_world_size()) != (env.rank, env.world_size):
+        raise ConfigError(f"environment: the process group already initialised is rank {dist.get_rank()} of "
+                          f"{dist.get_world_size()}, but the launcher says rank {env.rank} of {env.world_size}; "
+                          "initialise it over the whole world, or let fedddp initialise it")
+    if backend not in str(have):
+        raise ConfigError(f"run.device: needs a {backend} process group, but the one already initialised "
+                          f"uses {have}; initialise it with backend=\"{backend}\", or let fedddp initialise it")
 
 
 class Heartbeat:

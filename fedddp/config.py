@@ -13,6 +13,7 @@ import math
 import os
 import tomllib
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -426,11 +427,15 @@ def validate(cfg: Config) -> list[str]:
     return errors
 
 
-def load(path: str | None, overrides: list[str] = ()) -> Config:
-    """The file, then the overrides; every error of both at once, as one ConfigError."""
+def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str] = ()) -> Config:
+    """The file (or its tables as nested dicts), then the overrides; every error of both at once,
+    as one ConfigError."""
     errors: list[str] = []
-    raw: dict[str, Any] = {}
-    if path is not None:
+    raw: Mapping[str, Any] = {}
+    if isinstance(path, Mapping):
+        raw, path = path, None
+    elif path is not None:
+        path = os.fspath(path)
         raw = _read_toml(path)
     cfg = from_dict(raw, errors)
     cfg = from_dict(parse_overrides(list(overrides), errors), errors, cfg, text=True)

@@ -50,3 +50,7 @@ class StalledError(UserError):
     complete checkpoint."""
 
     exit_code = 6
+
+
+# What fedddp.run raises for a user's mistake or a run that cannot go on (exported by fedddp).
+ERRORS = (ConfigError, DataError, DivergenceError, DiskFullError, StalledError)

@@ -227,6 +227,8 @@ def _choose_checkpoint(cfg: config.Config) -> int:
 def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     rc = cfg.run
     torch.set_num_threads(rc.num_threads)
+    # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
+    torch.set_default_dtype(torch.float32)
     device = comm.device
     ckpt_root = os.path.join(rc.out_dir, "checkpoints")
     local_name, server_name = resolve_algorithm(cfg)
@@ -420,16 +422,17 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         if stopping:
             break
 
+    final = layout.state_dict(global_P)  # every rank holds the broadcast model (fedddp.run's result)
     if comm.is_main and last_round == rc.rounds:
         with outdir.disk_full_is_one_line("final.pt", rc.out_dir, last_ckpt):
-            checkpoint.atomic_save(layout.state_dict(global_P), os.path.join(rc.out_dir, "final.pt"))
+            checkpoint.atomic_save(final, os.path.join(rc.out_dir, "final.pt"))
     elif comm.is_main and last_round == rc.stop_after:
         how = (f"continue from {last_ckpt} with run.resume=true" if last_ckpt else
                "no checkpoint was written (run.ckpt_every = 0), so run.resume=true would start over")
         print(f"fedddp: stopped after round {last_round} (run.stop_after); {how}", file=sys.stderr, flush=True)
     comm.barrier()
     client_states.close()
-    return {"last_round": last_round, "global_P": global_P}
+    return {"last_round": last_round, "global_P": global_P, "state_dict": final}
 
 
 def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:
