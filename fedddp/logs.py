@@ -41,6 +41,8 @@ JSONL = ("metrics.jsonl", "clients.jsonl")
 CSV = "metrics.csv"
 TENSORBOARD = "tensorboard"
 PER_CLIENT_SUFFIXES = ("_K", "_KL")
+# one encoder for every line (json.dumps with an option makes a new one per call)
+ENCODER = json.JSONEncoder(allow_nan=False)
 
 
 def per_client_name(key: str) -> str | None:
@@ -108,12 +110,10 @@ class RunLogs:
         ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors,
         ``stacks`` the report stacks of the ``reported`` clients (rows in client-id order;
         empty when none reported), ``rank_of`` each client's training rank."""
-        # .tolist(), not to_json: one reporting client still gives a list of one row
-        per_client = {name: v.detach().cpu().tolist() for k, v in diagnostics.items()
-                      if (name := per_client_name(k))}
+        per_client = {name: v for k, v in diagnostics.items() if (name := per_client_name(k))}
         line = line | {k: to_json(v) for k, v in diagnostics.items() if not per_client_name(k)}
         line = {k: finite_or_null(v) for k, v in line.items()}
-        self._append("metrics.jsonl", json.dumps(line, allow_nan=False) + "\n", last_ckpt)
+        self._append("metrics.jsonl", ENCODER.encode(line) + "\n", last_ckpt)
         self._append_csv(line, last_ckpt)
         if reported:
             self._append("clients.jsonl", _client_lines(line["round"], reported, rank_of, stacks, per_client),
@@ -151,19 +151,23 @@ class RunLogs:
 
 
 def _client_lines(round_idx: int, reported: list[int], rank_of: dict[int, int], stacks: dict,
-                  per_client: dict[str, list]) -> str:
+                  per_client: dict[str, torch.Tensor]) -> str:
     """The round's clients.jsonl lines as one string (one write for any number of clients)."""
-    columns = {"num_samples": stacks["num_samples_K"].tolist(), "num_steps": stacks["num_steps_K"].tolist(),
-               "train_loss": stacks["train_loss_K"].tolist(), "train_time_s": stacks["train_time_K"].tolist()}
-    for name, values in per_client.items():
-        assert len(values) == len(reported), f"{name}: {len(values)} rows for {len(reported)} clients"
+    tensors = {"train_loss": stacks["train_loss_K"], "train_time_s": stacks["train_time_K"]} | per_client
+    for name, rows in tensors.items():
+        assert rows.shape[0] == len(reported), f"{name}: {rows.shape[0]} rows for {len(reported)} clients"
+    # one check on the tensors spares the per-value walk in the usual all-finite round
+    finite = all(bool(torch.isfinite(rows).all()) for rows in tensors.values())
+    # .tolist(), not to_json: one reporting client still gives a list of one row
+    columns = {name: rows.detach().cpu().tolist() for name, rows in tensors.items()}
+    num_samples, num_steps = stacks["num_samples_K"].tolist(), stacks["num_steps_K"].tolist()
     lines = []
     for i, cid in enumerate(reported):
-        record = {"round": round_idx, "client": cid, "rank": rank_of[cid],
-                  "num_samples": int(columns["num_samples"][i]), "num_steps": int(columns["num_steps"][i]),
-                  "train_loss": columns["train_loss"][i], "train_time_s": columns["train_time_s"][i]}
-        record.update((name, values[i]) for name, values in per_client.items())
-        lines.append(json.dumps({k: finite_or_null(v) for k, v in record.items()}, allow_nan=False))
+        record = {"round": round_idx, "client": cid, "rank": rank_of[cid], "num_samples": int(num_samples[i]),
+                  "num_steps": int(num_steps[i])} | {name: values[i] for name, values in columns.items()}
+        if not finite:
+            record = {k: finite_or_null(v) for k, v in record.items()}
+        lines.append(ENCODER.encode(record))
     return "\n".join(lines) + "\n"
 
 
