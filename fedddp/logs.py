@@ -195,20 +195,25 @@ def _csv_rows(path: str) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
+def _whole_lines(path: str) -> list[str]:
+    """The file's lines that end in a newline: a run killed in the middle of a round's write
+    (clients.jsonl's can be large) leaves a last line cut short, which is no record."""
+    with open(path, newline="") as fh:
+        return [ln for ln in fh if ln.endswith("\n") and ln.strip()]
+
+
 def _truncate_jsonl(path: str, last_round: int) -> None:
     """On resume, drop lines past the checkpoint (a crash may have left some)."""
     if not os.path.exists(path):
         return
-    with open(path) as fh:
-        lines = [ln for ln in fh if ln.strip() and json.loads(ln)["round"] <= last_round]
+    lines = [ln for ln in _whole_lines(path) if json.loads(ln)["round"] <= last_round]
     checkpoint.atomic_write_text("".join(lines), path)
 
 
 def _truncate_csv(path: str, last_round: int) -> None:
     if not os.path.exists(path):
         return
-    with open(path, newline="") as fh:
-        rows = list(csv.reader(fh))
+    rows = list(csv.reader(_whole_lines(path)))
     if not rows:
         return
     at = rows[0].index("round")

@@ -125,14 +125,17 @@ def test_feder_clients_rows_hold_layer_weights(tmp_path):
 
 
 def test_resume_cuts_every_file_back_to_the_checkpoint(tmp_path):
-    """A run past its last checkpoint (round 3 after the checkpoint of round 2), then resumed:
-    the lines of round 3 are dropped and written again, as in an uninterrupted run; a stopped
-    run resumes to the same files."""
+    """A run past its last checkpoint (round 3 after the checkpoint of round 2), killed in the
+    middle of a write (a last line cut short), then resumed: the lines of round 3 are dropped
+    and written again, as in an uninterrupted run; a stopped run resumes to the same files."""
     pytest.importorskip("tensorboard")
     full, crashed, stopped = tmp_path / "full", tmp_path / "crashed", tmp_path / "stopped"
     assert fedddp_main(CGW + ["run.tensorboard=true", f"run.out_dir={full}"]) == 0
     assert fedddp_main(CGW + ["run.tensorboard=true", f"run.out_dir={crashed}"]) == 0
     (crashed / "final.pt").unlink()
+    for name, cut in (("clients.jsonl", '{"round": 4, "cli'), ("metrics.csv", "4,0.1"), ("metrics.jsonl", '{"ro')):
+        with open(crashed / name, "a") as fh:
+            fh.write(cut)
     assert fedddp_main(CGW + ["run.tensorboard=true", "run.resume=true", f"run.out_dir={crashed}"]) == 0
     assert fedddp_main(CGW + ["run.stop_after=2", f"run.out_dir={stopped}"]) == 0
     assert [r["round"] for r in csv_rows(stopped)] == ["1", "2"]
