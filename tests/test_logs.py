@@ -167,6 +167,9 @@ def test_tensorboard_without_the_extra_is_one_line(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fedddp: error: run.tensorboard:"), err
     assert "pip install 'fedddp[tensorboard]'" in err[0]
+    # the launchers' check before any rank starts says the same
+    assert fedddp_main(["--check"] + CGW + ["run.tensorboard=true", f"run.out_dir={tmp_path / 'o'}"]) == 2
+    assert capsys.readouterr().err.strip() == err[0]
 
 
 @pytest.mark.parametrize("name", ["metrics.csv", "clients.jsonl"])
