@@ -96,6 +96,7 @@ def test_cgw_clients_rows_and_corrective_weights(cgw_run):
                                                                                           rel=1e-9)
 
 
+@pytest.mark.slow
 def test_two_ranks_write_the_same_clients_rows(cgw_run, tmp_path):
     out = tmp_path / "two"
     run_fedddp(CGW[1:] + [f"run.out_dir={out}"], nproc=2)
