@@ -76,6 +76,10 @@ def check(path: str | None, overrides: list[str], data: bool = True) -> config.C
         from .outdir import refuse_fresh_run
 
         refuse_fresh_run(cfg.run.out_dir, cfg.run.overwrite)
+    if cfg.run.tensorboard:
+        from .logs import require_tensorboard
+
+        require_tensorboard()
     if data:
         from .data import build
         from .models import build_model

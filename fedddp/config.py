@@ -36,7 +36,8 @@ class RunConfig:
     seed: int = opt(0, "Seed for training: model initialisation, client sampling and local shuffling. "
                        "The data (partition, splits, synthetic samples, colours) follow data.seed, so "
                        "runs that differ only in run.seed train on the same clients.")
-    out_dir: str = opt("runs/default", "Output folder: config.toml, metrics.jsonl, final.pt, checkpoints/.")
+    out_dir: str = opt("runs/default", "Output folder: config.toml, metrics.jsonl, metrics.csv, clients.jsonl, "
+                                       "final.pt, checkpoints/ (and tensorboard/ with run.tensorboard).")
     clients_per_round: int = opt(0, "Clients sampled per round (K). 0: use participation instead.")
     participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.")
     eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).")
@@ -53,6 +54,9 @@ class RunConfig:
                                               "without a heartbeat from one, before the run ends (exit 6, "
                                               "naming the rank that stopped answering).")
     progress: bool = opt(True, "Show a one-line progress display (round, accuracy, ETA) on rank 0.")
+    tensorboard: bool = opt(False, "Also write TensorBoard event files under out_dir/tensorboard (rank 0): "
+                                   "every number of metrics.jsonl as a scalar per round. Needs the "
+                                   "optional extra: pip install 'fedddp[tensorboard]'.")
     client_state: str = opt("memory", "Where per-client persistent state (SCAFFOLD's c_k, MOON's previous "
                                       "model, FedSMOO's duals) lives on its owner rank: memory (RAM or the "
                                       "device), or mmap (files under out_dir/client_state, rows read per "
@@ -73,9 +77,9 @@ class RunConfig:
 # the bits of any round (how many rounds, what is logged or saved, where and how state is kept).
 # Every other key, and nothing about the world size, makes up a checkpoint's run identity.
 RESUME_MAY_CHANGE = frozenset({
-    "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.stop_after", "run.resume",
-    "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root", "data.download",
-    "data.path"})
+    "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.tensorboard", "run.stop_after",
+    "run.resume", "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root",
+    "data.download", "data.path"})
 
 
 @dataclass

@@ -8,7 +8,6 @@ metrics, checkpoints' server part and final.pt.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -16,7 +15,7 @@ import time
 
 import torch
 
-from . import checkpoint, config, outdir, participation, strategies, tasks
+from . import checkpoint, config, logs, outdir, participation, strategies, tasks
 from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
 from .client import ClientContext, planned_steps, train_client
 from .client import rules as local_rules
@@ -109,23 +108,6 @@ class Progress:
         sys.stderr.flush()
 
 
-def _to_json(value):
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-        return value.item() if value.numel() == 1 else value.tolist()
-    return value
-
-
-def _finite_or_null(value):
-    """metrics.jsonl stays JSON: a non-finite float (a test loss that overflowed, a diagnostic)
-    is written as null, never as a bare NaN or Infinity."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list):
-        return [_finite_or_null(v) for v in value]
-    return value
-
-
 @torch.no_grad()
 def evaluate(model, test, comm, task: tasks.Task = tasks.CLASSIFICATION,
              batch_size: int = 1000) -> tuple[float, float]:
@@ -188,6 +170,8 @@ def run(cfg: config.Config, comm) -> dict:
     if comm.is_main:
         try:
             lock = outdir.open_out_dir(cfg.run.out_dir)
+            if cfg.run.tensorboard:
+                logs.require_tensorboard()
             if cfg.run.resume:
                 resume_round = _choose_checkpoint(cfg)
             else:
@@ -289,11 +273,9 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     if comm.is_main:
         with outdir.disk_full_is_one_line("config.toml and metrics.jsonl", rc.out_dir, last_ckpt):
             checkpoint.atomic_write_text(config.dumps(cfg), os.path.join(rc.out_dir, "config.toml"))
-            metrics_path = os.path.join(rc.out_dir, "metrics.jsonl")
-            if start_round == 1 and os.path.exists(metrics_path):
-                os.remove(metrics_path)
-            elif start_round > 1:
-                _truncate_metrics(metrics_path, start_round - 1)
+            # metrics.jsonl, metrics.csv, clients.jsonl, tensorboard/: replaced by a fresh run,
+            # cut back to the checkpoint's round by a resumed one
+            run_logs = logs.RunLogs(rc.out_dir, start_round, rc.tensorboard)
     progress = Progress(rc.rounds, rc.progress and comm.is_main, task.metric_key)
     if comm.is_main:
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
@@ -361,7 +343,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         t_gather = time.perf_counter()
 
         # -- aggregate on rank 0 (a round without reports leaves model and state as they were) --
-        diagnostics, train_loss = {}, None
+        diagnostics, train_loss, stacks = {}, None, {}
         if comm.is_main and reported:
             stacks = report.unpack(rows_KF) | static
             global_P, state, diagnostics = strategy.aggregate(global_P, stacks, state, cfg.algorithm)
@@ -412,11 +394,9 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
                     "aggregate_s": t_agg - t_gather, "evaluate_s": t_eval - t_bcast,
                     "checkpoint_s": t_ckpt - t_eval, "clients": sampled, "num_reports": len(reported),
                     "dropped": sorted(set(sampled) - set(reported))}
-            line.update({k: _to_json(v) for k, v in diagnostics.items()})
-            line = {k: _finite_or_null(v) for k, v in line.items()}
-            with outdir.disk_full_is_one_line("metrics.jsonl", rc.out_dir, last_ckpt), \
-                    open(os.path.join(rc.out_dir, "metrics.jsonl"), "a") as fh:
-                fh.write(json.dumps(line, allow_nan=False) + "\n")
+            # metrics.jsonl and .csv, clients.jsonl (per-client diagnostics), tensorboard/
+            rank_of = {c: r for r, clients in enumerate(per_rank) for c in clients}
+            line = run_logs.write_round(line, diagnostics, stacks, reported, rank_of, last_ckpt)
             progress.update(round_idx, start_round, line)
         last_round = round_idx
         if stopping:
@@ -430,6 +410,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         how = (f"continue from {last_ckpt} with run.resume=true" if last_ckpt else
                "no checkpoint was written (run.ckpt_every = 0), so run.resume=true would start over")
         print(f"fedddp: stopped after round {last_round} (run.stop_after); {how}", file=sys.stderr, flush=True)
+    if comm.is_main:
+        run_logs.close()
     comm.barrier()
     client_states.close()
     return {"last_round": last_round, "global_P": global_P, "state_dict": final}
@@ -473,11 +455,3 @@ def _diverged(cfg: config.Config, round_idx: int, train_loss: float, global_P: t
         f"model and data (train.lr = {cfg.train.lr}, algorithm.server_lr = {cfg.algorithm.server_lr}): "
         "lower them and start over with run.overwrite=true")
 
-
-def _truncate_metrics(path: str, last_round: int) -> None:
-    """On resume, drop metric lines past the checkpoint (a crash may have left some)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as fh:
-        lines = [ln for ln in fh if ln.strip() and json.loads(ln)["round"] <= last_round]
-    checkpoint.atomic_write_text("".join(lines), path)

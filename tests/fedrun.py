@@ -53,6 +53,12 @@ def metrics(out_dir) -> list[dict]:
         return [json.loads(line) for line in fh]
 
 
+def client_rows(out_dir) -> list[dict]:
+    """clients.jsonl: one row per (round, reporting client)."""
+    with open(os.path.join(out_dir, "clients.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
 def write_idx(path: str, array: np.ndarray) -> None:
     """An IDX file as MNIST ships it (gzip, big-endian dims, uint8 data)."""
     magic = struct.pack(">HBB", 0, 0x08, array.ndim)

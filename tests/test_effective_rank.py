@@ -175,5 +175,5 @@ def test_fresh_clients_clamp_to_the_uniform_mean():
               "conv_runs_R3": layout.conv_runs_R3()}
     hp = AlgorithmConfig()
     new_P, _, diag = strategies.get("feder").aggregate(params_KP[0].clone(), stacks, {}, hp)
-    torch.testing.assert_close(diag["feder_alpha"], torch.full((3, 2), 1 / 3))
+    torch.testing.assert_close(diag["feder_alpha_KL"], torch.full((3, 2), 1 / 3))
     torch.testing.assert_close(new_P, params_KP.mean(0), rtol=1e-6, atol=1e-7)

@@ -16,11 +16,12 @@ from fedrun import QUICKSTART, REPO
 
 def test_quickstart_round_imports_neither_torchvision_nor_dynamo(tmp_path):
     """Guards the slow start: fedddp.models imported torchvision (which pulls in torch._dynamo)
-    for every model, and the first torch.optim step imported torch._dynamo."""
+    for every model, and the first torch.optim step imported torch._dynamo. TensorBoard is
+    imported only for run.tensorboard = true."""
     code = ("import sys; from fedddp.__main__ import main\n"
             f"code = main([{QUICKSTART!r}, 'run.rounds=1', 'run.out_dir={tmp_path}', 'run.progress=false'])\n"
             "assert code == 0, code\n"
-            "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))")
+            "print(sorted(m for m in ('torchvision', 'torch._dynamo', 'torch.utils.tensorboard') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"

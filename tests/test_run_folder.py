@@ -13,8 +13,7 @@ import sys
 
 import pytest
 
-from fedddp import checkpoint
-from fedddp import round as round_module
+from fedddp import checkpoint, logs
 from fedddp.__main__ import main as fedddp_main
 from fedrun import QUICKSTART, REPO, SLOW, assert_same_state, final_state, metrics, wait_for_rounds
 
@@ -126,7 +125,7 @@ def test_divergence_stops_the_run_with_status_4(tmp_path, capsys):
 
 def test_metrics_lines_write_non_finite_values_as_null():
     line = {"round": 3, "test_loss": math.inf, "ranks": [1.0, math.nan], "clients": [1, 2]}
-    clean = {k: round_module._finite_or_null(v) for k, v in line.items()}
+    clean = {k: logs.finite_or_null(v) for k, v in line.items()}
     assert clean == {"round": 3, "test_loss": None, "ranks": [1.0, None], "clients": [1, 2]}
     json.dumps(clean, allow_nan=False)
 
@@ -175,7 +174,7 @@ def test_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeypat
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(round_module, "open", opening_on_a_full_disk, raising=False)
+    monkeypatch.setattr(logs, "open", opening_on_a_full_disk, raising=False)
     status, lines = _main(ARGS + [f"run.out_dir={out}"], capsys)
     assert status == 5 and len(lines) == 1, lines
     assert f"while writing metrics.jsonl in {out}" in lines[0]

@@ -357,13 +357,13 @@ def test_cgw_matches_twin(num_clients, num_params, seed, alpha):
     new_P, _, diag = run("cgw", global_P, stacks, hp)
     twin_P, x, c, norms, m = twin_cgw(global_P, stacks, alpha, weighting)
     assert_close(new_P, twin_P)
-    assert_close(diag["cgw_x"], x, rtol=1e-4, atol=1e-7)
+    assert_close(diag["cgw_x_K"], x, rtol=1e-4, atol=1e-7)
     assert diag["cgw_c"].item() == pytest.approx(c, rel=1e-5)
     # eq. 24: the constraint is active at the optimum
-    constraint = sum((xk * nk) ** 2 for xk, nk in zip(diag["cgw_x"].tolist(), norms))
+    constraint = sum((xk * nk) ** 2 for xk, nk in zip(diag["cgw_x_K"].tolist(), norms))
     assert constraint == pytest.approx(c * c, rel=1e-4)
     # eq. 30: sign(x_k) = sign(m_k)
-    assert [sign(xk) for xk in diag["cgw_x"].tolist()] == [sign(mk) for mk in m]
+    assert [sign(xk) for xk in diag["cgw_x_K"].tolist()] == [sign(mk) for mk in m]
     assert diag["cgw_zero_grad_clients"].item() == 0
 
 
@@ -373,7 +373,7 @@ def test_cgw_alpha_zero_is_fedavg(num_clients, num_params):
     global_P, stacks = make_inputs(num_clients, num_params, 1)
     new_P, _, diag = run("cgw", global_P, stacks, hp)
     assert torch.equal(new_P, fedavg_of(global_P, stacks, hp))
-    assert torch.equal(diag["cgw_x"], torch.zeros(num_clients))
+    assert torch.equal(diag["cgw_x_K"], torch.zeros(num_clients))
 
 
 def test_cgw_single_client_weight_is_c_over_norm():
@@ -383,7 +383,7 @@ def test_cgw_single_client_weight_is_c_over_norm():
     norm = stacks["full_grad_KP"][0].double().norm().item()
     c = 0.2 * stacks["full_loss_K"][0].item() / norm
     assert diag["cgw_c"].item() == pytest.approx(c, rel=1e-5)
-    assert diag["cgw_x"][0].item() == pytest.approx(c / norm, rel=1e-5)
+    assert diag["cgw_x_K"][0].item() == pytest.approx(c / norm, rel=1e-5)
 
 
 @pytest.mark.parametrize("num_clients", [2, 5])
@@ -396,7 +396,7 @@ def test_cgw_identical_gradients_share_weight_c_over_sqrt_k_norm(num_clients):
     c = min(0.3 * loss / norm for loss in stacks["full_loss_K"].tolist())
     expected = c / (math.sqrt(num_clients) * norm)
     expected_K = torch.full((num_clients,), expected, dtype=torch.float64)
-    torch.testing.assert_close(diag["cgw_x"].double(), expected_K, rtol=1e-5, atol=0)
+    torch.testing.assert_close(diag["cgw_x_K"].double(), expected_K, rtol=1e-5, atol=0)
 
 
 def test_cgw_zero_gradient_client_is_left_out_without_nan():
@@ -406,8 +406,8 @@ def test_cgw_zero_gradient_client_is_left_out_without_nan():
     stacks["full_loss_K"][2] = 0.0  # would make c = 0 if it were not left out
     new_P, _, diag = run("cgw", global_P, stacks, hp)
     twin_P, x, c, _, _ = twin_cgw(global_P, stacks, 0.3, "samples")
-    assert torch.isfinite(new_P).all() and torch.isfinite(diag["cgw_x"]).all()
-    assert diag["cgw_x"][2].item() == 0.0
+    assert torch.isfinite(new_P).all() and torch.isfinite(diag["cgw_x_K"]).all()
+    assert diag["cgw_x_K"][2].item() == 0.0
     assert diag["cgw_zero_grad_clients"].item() == 1
     assert c > 0 and diag["cgw_c"].item() == pytest.approx(c, rel=1e-5)
     assert_close(new_P, twin_P)
@@ -420,7 +420,7 @@ def test_cgw_all_zero_gradients_give_fedavg_without_nan():
     new_P, _, diag = run("cgw", global_P, stacks, hp)
     assert torch.equal(new_P, fedavg_of(global_P, stacks, hp))
     assert diag["cgw_zero_grad_clients"].item() == 3
-    assert diag["cgw_c"].item() == 0.0 and torch.isfinite(diag["cgw_x"]).all()
+    assert diag["cgw_c"].item() == 0.0 and torch.isfinite(diag["cgw_x_K"]).all()
 
 
 def test_cgw_opposite_gradients_give_zero_correction_without_nan():
@@ -429,7 +429,7 @@ def test_cgw_opposite_gradients_give_zero_correction_without_nan():
     global_P, stacks = make_inputs(2, 50, 6)
     stacks["full_grad_KP"][1] = -stacks["full_grad_KP"][0]
     new_P, _, diag = run("cgw", global_P, stacks, hp)
-    assert torch.isfinite(diag["cgw_x"]).all()
+    assert torch.isfinite(diag["cgw_x_K"]).all()
     torch.testing.assert_close(new_P, fedavg_of(global_P, stacks, hp), rtol=0, atol=1e-6)
 
 
@@ -442,8 +442,8 @@ def test_feder_matches_twin(num_clients, num_params, seed):
     global_P, stacks = make_inputs(num_clients, num_params, seed)
     new_P, _, diag = run("feder", global_P, stacks, hp)
     assert_close(new_P, twin_feder(global_P, stacks))
-    assert diag["feder_alpha"].shape == (num_clients, NUM_LAYERS)
-    torch.testing.assert_close(diag["feder_alpha"].sum(0), torch.ones(NUM_LAYERS))
+    assert diag["feder_alpha_KL"].shape == (num_clients, NUM_LAYERS)
+    torch.testing.assert_close(diag["feder_alpha_KL"].sum(0), torch.ones(NUM_LAYERS))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -33,7 +33,8 @@ Static entries, fixed for the run and not client reports, added when a rule name
 makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``; a rule's own hyperparameters
 are ``hp.params`` (``[algorithm.params]``), declared with their defaults in ``params`` and
 checked by ``check_params``. ``diagnostics`` is a dict of
-tensors (scalars or small vectors) that the round loop writes to metrics.jsonl.
+tensors: scalars, which go to metrics.jsonl, and per-client rows named by their shape (``_K``,
+``_KL``; rows in the stacks' client-id order), which go to clients.jsonl (fedddp.logs).
 """
 
 from __future__ import annotations

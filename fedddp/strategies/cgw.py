@@ -22,7 +22,8 @@ A client with ||D_k|| = 0 has no direction to weigh (eq. 29 divides by it): it g
 is left out of c and of the sums (it adds nothing to D either); the count is a diagnostic. If
 every client is zero, or the m_k all vanish, the correction is zero: never NaN. alpha = 0
 gives x = 0 exactly, so the result is FedAvg's vector bit for bit.
-Diagnostics (float64): cgw_x, cgw_c, cgw_zero_grad_clients.
+Diagnostics (float64): per client (clients.jsonl) cgw_x_K, the client's average weight
+cgw_weight_K (p_k) and cgw_grad_norm_K (||D_k||); per round cgw_c, cgw_zero_grad_clients.
 Legend: K sampled clients, P flat parameters, B columns in a block, S scaled rows.
 """
 
@@ -95,7 +96,8 @@ def aggregate(global_P, stacks, state, hp):
         rows_S = scaled_K.nonzero()[:, 0]
         correction_P = grads_KP[rows_S].double().T @ x_K[rows_S].to(grads_KP.device)
         new_global_P = new_global_P.double().sub_(correction_P).to(params_KP.dtype)
-    diagnostics = {"cgw_x": x_K, "cgw_c": c, "cgw_zero_grad_clients": num_zero.double()}
+    diagnostics = {"cgw_x_K": x_K, "cgw_weight_K": weights_K.double(), "cgw_grad_norm_K": sq_norm_K.sqrt(),
+                   "cgw_c": c, "cgw_zero_grad_clients": num_zero.double()}
     return new_global_P, state, diagnostics
 
 

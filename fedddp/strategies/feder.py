@@ -13,7 +13,8 @@ The layout's runs of columns that follow one conv layer (``conv_runs_R3``: at mo
 tensor, 62 for ResNet-18 with buffers) each take one column of the small [K, L+1] weight table
 (column 0 = uniform): one fused pass over the params on CPU and CUDA (the same kernel as
 FedAvg, with a weight vector per run), one matrix-vector product per run in the torch ops. No
-[K, P] weight matrix is built and the params are read once. Diagnostics: alpha_KL.
+[K, P] weight matrix is built and the params are read once. Diagnostics: feder_alpha_KL, each
+client's weight per conv layer (clients.jsonl).
 Legend: K sampled clients, P flat parameters, L conv layers, R runs of equal conv group.
 """
 
@@ -43,11 +44,11 @@ def aggregate(global_P, stacks, state, hp):
     lib = kernels.lib(params_KP, rule="feder")
     if lib is not None:
         bounds_R1 = torch.cat([runs_R3[:, 0], runs_R3[-1:, 1]]).cpu()
-        return kernels.mix(lib, params_KP, weights_RK, bounds_R1), state, {"feder_alpha": alpha_KL}
+        return kernels.mix(lib, params_KP, weights_RK, bounds_R1), state, {"feder_alpha_KL": alpha_KL}
     new_global_P = torch.empty_like(global_P)
     for r, (start, stop, _) in enumerate(runs_R3.tolist()):  # one host sync: the run bounds
         torch.mv(params_KP[:, start:stop].T, weights_RK[r], out=new_global_P[start:stop])
-    return new_global_P, state, {"feder_alpha": alpha_KL}
+    return new_global_P, state, {"feder_alpha_KL": alpha_KL}
 
 
 FEDER = register(Strategy("feder", aggregate, needs=frozenset({"eff_rank_KL", "conv_runs_R3"}),

@@ -1,0 +1,223 @@
+"""The files people watch while a run goes, written by rank 0 once per round.
+
+  metrics.jsonl   one JSON object per round: the output contract (README.md)
+  metrics.csv     the same rounds as a table: every key of metrics.jsonl whose value is a number
+                  or null (null: an empty cell); the lists (clients, dropped) are left out
+  clients.jsonl   one JSON object per (round, reporting client), in client-id order: round,
+                  client, rank (the rank that trained it), num_samples, num_steps, train_loss,
+                  train_time_s and the server rule's per-client diagnostics. Clients that dropped
+                  out or missed the deadline did not report and have no line (metrics.jsonl's
+                  dropped lists them)
+  tensorboard/    event files with every number of metrics.jsonl as a scalar per round
+                  (run.tensorboard = true; the optional extra fedddp[tensorboard])
+
+A server rule's diagnostic whose name ends in a client shape (``_K``: one number per client,
+``_KL``: one list per client) is per client: its rows are the report stack's, in client-id
+order, and it goes to clients.jsonl under its name without the suffix (``cgw_x_K`` -> ``cgw_x``);
+every other diagnostic is a key of metrics.jsonl. So metrics.jsonl stays one short line per
+round at any number of clients.
+
+Every file is appended and closed (so flushed) each round: ``tail -f`` shows each round as it
+ends. A fresh run replaces them; a resumed one first drops what lies past its checkpoint's round
+(a crash may have left some), so a stopped and resumed run writes the same lines as an
+uninterrupted one, timings aside.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import shutil
+
+import torch
+
+from . import checkpoint, outdir
+from .errors import ConfigError
+
+JSONL = ("metrics.jsonl", "clients.jsonl")
+CSV = "metrics.csv"
+TENSORBOARD = "tensorboard"
+PER_CLIENT_SUFFIXES = ("_K", "_KL")
+# one encoder for every line (json.dumps with an option makes a new one per call)
+ENCODER = json.JSONEncoder(allow_nan=False)
+
+
+def per_client_name(key: str) -> str | None:
+    """``cgw_x_K`` -> ``cgw_x``; None for a diagnostic that is not per client."""
+    for suffix in PER_CLIENT_SUFFIXES:
+        if key.endswith(suffix):
+            return key[:-len(suffix)]
+    return None
+
+
+def to_json(value):
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+def finite_or_null(value):
+    """The JSON files stay JSON: a non-finite float (a test loss that overflowed, a diagnostic)
+    is written as null, never as a bare NaN or Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def require_tensorboard() -> None:
+    """run.tensorboard = true without the package: one ConfigError, before any data loads."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        raise ConfigError("run.tensorboard: true needs the tensorboard package, which is not installed: "
+                          "pip install 'fedddp[tensorboard]', or set run.tensorboard=false") from None
+
+
+class RunLogs:
+    """Rank 0's per-round files in ``out_dir`` (see the module doc), opened once the run knows
+    its first round."""
+
+    def __init__(self, out_dir: str, start_round: int, tensorboard: bool):
+        self.out_dir = out_dir
+        self.path = {name: os.path.join(out_dir, name) for name in JSONL + (CSV,)}
+        tb_dir = os.path.join(out_dir, TENSORBOARD)
+        if start_round == 1:
+            for path in self.path.values():
+                if os.path.exists(path):
+                    os.remove(path)
+            if os.path.isdir(tb_dir):
+                shutil.rmtree(tb_dir)
+        else:
+            for name in JSONL:
+                _truncate_jsonl(self.path[name], start_round - 1)
+            _truncate_csv(self.path[CSV], start_round - 1)
+        self.columns = _csv_header(self.path[CSV])
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # the optional extra, only when asked for
+            # purge_step: TensorBoard itself hides the events of rounds past the checkpoint
+            self.writer = SummaryWriter(tb_dir, purge_step=start_round if start_round > 1 else None)
+
+    def write_round(self, line: dict, diagnostics: dict, stacks: dict, reported: list[int],
+                    rank_of: dict[int, int], last_ckpt: str | None) -> dict:
+        """Writes round ``line["round"]`` to every file and returns its metrics.jsonl object.
+        ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors,
+        ``stacks`` the report stacks of the ``reported`` clients (rows in client-id order;
+        empty when none reported), ``rank_of`` each client's training rank."""
+        per_client = {name: v for k, v in diagnostics.items() if (name := per_client_name(k))}
+        line = line | {k: to_json(v) for k, v in diagnostics.items() if not per_client_name(k)}
+        line = {k: finite_or_null(v) for k, v in line.items()}
+        self._append("metrics.jsonl", ENCODER.encode(line) + "\n", last_ckpt)
+        self._append_csv(line, last_ckpt)
+        if reported:
+            self._append("clients.jsonl", _client_lines(line["round"], reported, rank_of, stacks, per_client),
+                         last_ckpt)
+        if self.writer is not None:
+            with outdir.disk_full_is_one_line(TENSORBOARD, self.out_dir, last_ckpt):
+                for key, value in line.items():
+                    if key != "round" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self.writer.add_scalar(key, value, line["round"])
+                self.writer.flush()
+        return line
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def _append(self, name: str, text: str, last_ckpt: str | None) -> None:
+        with outdir.disk_full_is_one_line(name, self.out_dir, last_ckpt), open(self.path[name], "a") as fh:
+            fh.write(text)
+
+    def _append_csv(self, line: dict, last_ckpt: str | None) -> None:
+        row = {k: v for k, v in line.items() if not isinstance(v, list)}
+        new = [k for k in row if k not in (self.columns or [])]
+        if not new:
+            self._append(CSV, _csv_text([row], self.columns, header=False), last_ckpt)
+            return
+        # A key first seen now (the first round, or a rule's diagnostics after rounds without
+        # reports): the file is rewritten once with the wider header, so every row has the same
+        # columns and earlier rows an empty cell for it.
+        rows = _csv_rows(self.path[CSV]) + [row]
+        self.columns = (self.columns or []) + new
+        with outdir.disk_full_is_one_line(CSV, self.out_dir, last_ckpt):
+            checkpoint.atomic_write_text(_csv_text(rows, self.columns, header=True), self.path[CSV])
+
+
+def _client_lines(round_idx: int, reported: list[int], rank_of: dict[int, int], stacks: dict,
+                  per_client: dict[str, torch.Tensor]) -> str:
+    """The round's clients.jsonl lines as one string (one write for any number of clients)."""
+    tensors = {"train_loss": stacks["train_loss_K"], "train_time_s": stacks["train_time_K"]} | per_client
+    for name, rows in tensors.items():
+        assert rows.shape[0] == len(reported), f"{name}: {rows.shape[0]} rows for {len(reported)} clients"
+    # one check on the tensors spares the per-value walk in the usual all-finite round
+    finite = all(bool(torch.isfinite(rows).all()) for rows in tensors.values())
+    # .tolist(), not to_json: one reporting client still gives a list of one row
+    columns = {name: rows.detach().cpu().tolist() for name, rows in tensors.items()}
+    num_samples, num_steps = stacks["num_samples_K"].tolist(), stacks["num_steps_K"].tolist()
+    lines = []
+    for i, cid in enumerate(reported):
+        record = {"round": round_idx, "client": cid, "rank": rank_of[cid], "num_samples": int(num_samples[i]),
+                  "num_steps": int(num_steps[i])} | {name: values[i] for name, values in columns.items()}
+        if not finite:
+            record = {k: finite_or_null(v) for k, v in record.items()}
+        lines.append(ENCODER.encode(record))
+    return "\n".join(lines) + "\n"
+
+
+def _csv_text(rows: list[dict], columns: list[str], header: bool) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    if header:
+        writer.writerow(columns)
+    # repr of a float is the shortest text that reads back to it, as in metrics.jsonl
+    writer.writerows([["" if row.get(k) is None else row[k] for k in columns] for row in rows])
+    return buffer.getvalue()
+
+
+def _csv_header(path: str) -> list[str] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, newline="") as fh:
+        return next(csv.reader(fh), None)
+
+
+def _csv_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _whole_lines(path: str) -> list[str]:
+    """The file's lines that end in a newline: a run killed in the middle of a round's write
+    (clients.jsonl's can be large) leaves a last line cut short, which is no record."""
+    with open(path, newline="") as fh:
+        return [ln for ln in fh if ln.endswith("\n") and ln.strip()]
+
+
+def _truncate_jsonl(path: str, last_round: int) -> None:
+    """On resume, drop lines past the checkpoint (a crash may have left some)."""
+    if not os.path.exists(path):
+        return
+    lines = [ln for ln in _whole_lines(path) if json.loads(ln)["round"] <= last_round]
+    checkpoint.atomic_write_text("".join(lines), path)
+
+
+def _truncate_csv(path: str, last_round: int) -> None:
+    if not os.path.exists(path):
+        return
+    rows = list(csv.reader(_whole_lines(path)))
+    if not rows:
+        return
+    at = rows[0].index("round")
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerows(
+        rows[:1] + [row for row in rows[1:] if row and int(row[at]) <= last_round])
+    checkpoint.atomic_write_text(buffer.getvalue(), path)
