@@ -10,11 +10,12 @@ import pytest
 import torch
 from torch import nn
 
+import fedddp
 from fedddp import algorithms, checkpoint, config, plugins, strategies
 from fedddp.client import rules
 from fedddp.__main__ import main
 from fedddp.strategies import kernels
-from fedrun import REPO, assert_same_state, final_state, metrics, run_fedddp
+from fedrun import REPO, assert_same_state, client_rows, final_state, metrics, run_fedddp
 
 EXAMPLE = os.path.join(REPO, "examples", "my_plugin.toml")
 SHORT = ["run.rounds=3", "run.clients_per_round=4", "run.eval_every=3"]
@@ -47,13 +48,16 @@ def refused(capsys, args: list[str], status: int, *words: str) -> str:
 
 @pytest.mark.slow
 def test_example_plugin_is_world_size_invariant(tmp_path):
-    """The example's data, model, server and local rule give the same final.pt on 1 and 2 ranks,
-    config.toml records the import paths and the parameters, and the start line says the
-    plugin server rule ran in torch ops."""
+    """The example's data, model, server and local rule give the same final.pt on 1 and 2 ranks
+    and through the Python API, config.toml records the import paths and the parameters, and
+    the start line says the plugin server rule ran in torch ops."""
     one, two = tmp_path / "one", tmp_path / "two"
     proc = run_fedddp(SHORT + [f"run.out_dir={one}", "run.progress=true"], nproc=1, config=EXAMPLE)
     run_fedddp(SHORT + [f"run.out_dir={two}"], nproc=2, config=EXAMPLE)
     assert_same_state(final_state(one), final_state(two))
+    result = fedddp.run(str(EXAMPLE), SHORT + ["run.progress=false"], out_dir=str(tmp_path / "api"))
+    assert_same_state(result.state_dict, final_state(one))
+    assert [row["train_loss"] for row in result.metrics] == [row["train_loss"] for row in metrics(one)]
     assert "aggregation: torch ops (a plugin server rule" in proc.stderr
     saved = config.load(str(one / "config.toml"))
     assert saved.data.name == "examples.my_plugin:blobs"
@@ -140,7 +144,7 @@ def test_feder_and_moon_train_a_plugin_model_that_has_what_they_need(tmp_path, c
     state = final_state(tmp_path)
     assert ("projection.0.weight" in state) == (algorithm == "moon")  # MOON's head between the two
     if algorithm == "feder":
-        assert len(metrics(tmp_path)[-1]["feder_alpha"][0]) == 1  # one conv layer, weighed
+        assert len(client_rows(tmp_path)[-1]["feder_alpha"]) == 1  # one conv layer, weighed
 
 
 @pytest.mark.parametrize("args, words", [

@@ -135,7 +135,7 @@ def test_cgw_matches_twin(interpreted, num_clients, strided):
     new_P, _, diag = aggregate("cgw", global_P, stacks, hp)
     twin_P, x, c, _, _ = twin_cgw(global_P, stacks, 0.3, "samples")
     assert_close(new_P, twin_P)
-    assert_close(diag["cgw_x"], x, rtol=1e-4, atol=1e-7)
+    assert_close(diag["cgw_x_K"], x, rtol=1e-4, atol=1e-7)
     assert diag["cgw_c"].item() == pytest.approx(c, rel=1e-5)
 
 
@@ -166,7 +166,7 @@ def test_cgw_is_exact_when_the_gradients_nearly_cancel(interpreted, num_clients,
               "full_loss_K": loss_K, "num_samples_K": torch.ones(num_clients),
               "train_loss_K": loss_K}
     model_P, _, diag = aggregate("cgw", torch.zeros(num_params), stacks, hp_of(cgw_alpha=ALPHA))
-    assert relative_error(diag["cgw_x"], x_ref_K) <= 1e-4
+    assert relative_error(diag["cgw_x_K"], x_ref_K) <= 1e-4
     assert relative_error(-model_P, correction_ref_P) <= 1e-4
 
 
