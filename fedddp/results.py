@@ -20,7 +20,7 @@ with ``#`` and more than one space):
 
 The verdict rule (RULE below): a claimed group reproduces the claim when its mean is better than
 every baseline's mean by more than the larger of the two standard deviations; worse than some
-baseline by more than that is the opposite; anything else is within the seeds' spread. Better is
+baseline by more than that is behind a baseline; anything else is within the seeds' spread. Better is
 higher, or lower for losses and errors (fedddp.summary.lower_is_better).
 
 The commit is ``git rev-parse --short HEAD``, "+dirty" when tracked files other than the
@@ -50,8 +50,8 @@ DOC = "docs/results.md"
 FIELDS = ("Paper", "Claim", "Reduced", "Hardware", "Prepare", "Summary", "Verdict")
 RULE = ("a claimed method reproduces the claim when its mean is better than every baseline's mean "
         "by more than the larger of the two standard deviations (sample std over the seeds); when "
-        "it is worse than some baseline by more than that, the result is the opposite of the claim; "
-        "otherwise the difference is within the seeds' spread. Better: higher accuracy, lower "
+        "it is worse than some baseline by more than that, it is behind a baseline; otherwise the "
+        "difference is within the seeds' spread; either of the last two is not reproduced at this scale. Better: higher accuracy, lower "
         "loss or error.")
 
 
@@ -183,7 +183,7 @@ def label(selector: dict[str, str]) -> str:
 
 def verdict(rows: list[dict], keys: list[str], metric: str, claimed: list[dict], baselines: list[dict],
             digits: int, where: str) -> list[str]:
-    """One line per claimed group: reproduced / opposite / within the spread, with its numbers."""
+    """One line per claimed group: reproduced, behind a baseline, or within the spread, with its numbers."""
     def find(selector):
         found = [r for r in rows if matches(r, keys, selector)]
         if len(found) != 1:
@@ -209,7 +209,7 @@ def verdict(rows: list[dict], keys: list[str], metric: str, claimed: list[dict],
         if len(ahead) == len(base):
             lines.append(f"**reproduced**: {versus}; better than every baseline by more than both stds.")
         elif behind:
-            lines.append(f"**not reproduced at this scale (the opposite)**: {versus}; worse than "
+            lines.append(f"**not reproduced at this scale (behind a baseline)**: {versus}; worse than "
                          f"{', '.join(n for n, _ in behind)} by more than both stds.")
         else:
             lines.append(f"**not reproduced at this scale (within the spread)**: {versus}; better by "
@@ -217,10 +217,11 @@ def verdict(rows: list[dict], keys: list[str], metric: str, claimed: list[dict],
     return lines
 
 
-def section(path: str, fields: dict, made_at: str, doc: str) -> tuple[list[str], list[str]]:
-    """The markdown of one sweep file's tables; (lines, problems) with a problem per unusable table."""
+def section(path: str, fields: dict, made_at: str, data: str) -> tuple[list[str], list[str]]:
+    """The markdown of one sweep file's tables; (lines, problems) with a problem per unusable table.
+    ``data``: the data root as given, shown in the sweep's command unless the file sets its own."""
     rel = os.path.relpath(path, REPO)
-    out, _, points = sweep.plan(rel, [], None)
+    out, raw, points = sweep.plan(rel, [], None)
     lines = [f"## {os.path.splitext(os.path.basename(path))[0]}", ""]
     if "Paper" in fields:
         lines += [f"**Paper.** {fields['Paper'][0]}", ""]
@@ -239,7 +240,8 @@ def section(path: str, fields: dict, made_at: str, doc: str) -> tuple[list[str],
               "- commands (from the repository root; `python -m fedddp.results` runs them all):", "",
               "```"]
     lines += [f"{line}" for line in fields.get("Prepare", [])]
-    lines.append(f"python -m fedddp.sweep {rel} --parallel 2")
+    env = "" if raw.get("data", {}).get("root") else f"FEDDDP_DATA={shlex.quote(data)} "
+    lines.append(f"{env}python -m fedddp.sweep {rel} --parallel 2")
     tables = [summary_args(text, f"{rel}: '# Summary:'") for text in fields["Summary"]]
     lines += [f"python -m fedddp.summary {out} " + " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in
                                                           vars(args).items() if v is not None and k != "digits")
@@ -264,7 +266,7 @@ def section(path: str, fields: dict, made_at: str, doc: str) -> tuple[list[str],
     return lines, problems
 
 
-def write_doc(paths: list[str], doc: str, made_at: str, command: str) -> list[str]:
+def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str) -> list[str]:
     lines = ["# Reduced reproductions of the papers' claims", "",
              "Written by `" + command + "` from the runs of the reduced sweeps in "
              f"`{SWEEPS}/`: every number below is computed from those runs "
@@ -275,7 +277,7 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str) -> list[st
              f"**Verdict rule.** {RULE[0].upper()}{RULE[1:]}", ""]
     problems = []
     for path in paths:
-        part, bad = section(path, header(path), made_at, doc)
+        part, bad = section(path, header(path), made_at, data)
         lines += part
         problems += bad
     tmp = f"{doc}.tmp.{os.getpid()}"
@@ -299,8 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     paths = [os.path.abspath(p) for p in args.sweeps]
     doc = os.path.abspath(args.doc)
+    data = args.data or os.environ.get("FEDDDP_DATA") or ""
+    data_abs = os.path.abspath(data) if data else ""  # as given: from where the command was started
     os.chdir(REPO)
-    os.environ["FEDDDP_DATA"] = os.path.abspath(args.data or os.environ.get("FEDDDP_DATA") or "../shared/data")
+    data = data or "../shared/data"  # the default, as README's: from the repository root
+    os.environ["FEDDDP_DATA"] = data_abs or os.path.abspath(data)
     try:
         if args.parallel < 1:
             raise ConfigError("--parallel: must be >= 1")
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 if status != 0:
                     failed.append(os.path.relpath(p, REPO))
         command = "python -m fedddp.results" + ("" if not args.sweeps else " " + " ".join(args.sweeps))
-        problems = write_doc(paths, doc, made_at, command)
+        problems = write_doc(paths, doc, made_at, command, data)
     except UserError as exc:
         print(f"fedddp.results: error: {exc}", file=sys.stderr)
         return exc.exit_code
