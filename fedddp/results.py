@@ -24,7 +24,7 @@ baseline by more than that is behind a baseline; anything else is within the see
 higher, or lower for losses and errors (fedddp.summary.lower_is_better).
 
 The commit is ``git rev-parse --short HEAD``, "+dirty" when tracked files other than the
-document differ from it. Each run's commit is recorded when this command starts it
+document differ from it. The runs a sweep makes are recorded with the commit when it starts
 (OUT/logs/commits.json); a table names every commit its runs were made at.
 Exit status: 0 written; 1 some run failed; 2 bad configuration.
 """
@@ -146,8 +146,10 @@ def read_commits(out: str) -> dict[str, str]:
         return {}
 
 
-def run_sweep(path: str, fields: dict, parallel: int, made_at: str) -> tuple[int, float, int]:
-    """Prepare, then the sweep; returns (exit status, wall seconds, runs started)."""
+def run_sweep(path: str, fields: dict, parallel: int, doc: str) -> tuple[int, float, int]:
+    """Prepare, then the sweep; returns (exit status, wall seconds, runs started). Its runs are
+    recorded as made at the commit of the checkout when it starts."""
+    made_at = commit(doc)
     start = time.perf_counter()
     for line in fields.get("Prepare", []):
         argv = shlex.split(line)
@@ -317,17 +319,16 @@ def main(argv: list[str] | None = None) -> int:
             for text in fields[p]["Summary"]:
                 summary_args(text, f"{p}: '# Summary:'")
             parse_verdict(fields[p]["Verdict"][0], p)
-        made_at = commit(os.path.relpath(doc, REPO))
         failed = []
         if not args.no_run:
             for p in paths:
-                status, wall_s, started = run_sweep(p, fields[p], args.parallel, made_at)
+                status, wall_s, started = run_sweep(p, fields[p], args.parallel, os.path.relpath(doc, REPO))
                 print(f"fedddp.results: {os.path.relpath(p, REPO)}: {started} run(s) started, "
                       f"{wall_s:.0f} s wall", flush=True)
                 if status != 0:
                     failed.append(os.path.relpath(p, REPO))
         command = "python -m fedddp.results" + ("" if not args.sweeps else " " + " ".join(args.sweeps))
-        problems = write_doc(paths, doc, made_at, command, data)
+        problems = write_doc(paths, doc, commit(os.path.relpath(doc, REPO)), command, data)
     except UserError as exc:
         print(f"fedddp.results: error: {exc}", file=sys.stderr)
         return exc.exit_code
