@@ -230,6 +230,8 @@ def section(path: str, fields: dict, made_at: str, data: str) -> tuple[list[str]
     lines += [f"**Claim.** {fields['Claim'][0]}", ""]
     if "Reduced" in fields:
         lines += [f"**Reduced and replaced.** {fields['Reduced'][0]}", ""]
+    if "Hardware" in fields:
+        lines += [f"**Hardware.** {fields['Hardware'][0]}", ""]
     warnings: list[str] = []
     runs = summary.usable(summary.find_runs([out]) if os.path.isdir(out) else [], [], warnings.append)
     made = read_commits(out)
