@@ -279,11 +279,14 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str)
              "`configs/sweeps/`. Cells are mean ± sample std (n runs) over the seeds "
              "`run.seed`, with `data.seed` fixed: the spread is training variation.", "",
              f"**Verdict rule.** {RULE[0].upper()}{RULE[1:]}", ""]
-    problems = []
+    problems, sections, overview = [], [], []
     for path in paths:
         part, bad = section(path, header(path), made_at, data)
-        lines += part
+        sections += part
         problems += bad
+        name = os.path.splitext(os.path.basename(path))[0]
+        overview += [f"- {name}: {line[2:].split(' vs ', 1)[0]}" for line in part if line.startswith("- **")]
+    lines += ["Verdicts at a glance (each against its baselines in its section):", ""] + overview + [""] + sections
     tmp = f"{doc}.tmp.{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
     with open(tmp, "w") as fh:
@@ -336,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     for problem in problems:
         print(f"fedddp.results: {problem}", file=sys.stderr)
-    print(f"fedddp.results: wrote {os.path.relpath(doc)}")
+    print(f"fedddp.results: wrote {args.doc}")
     return 1 if failed or problems else 0
 
 

@@ -64,6 +64,7 @@ def test_runs_the_sweep_and_writes_the_document(tmp_path):
     verdicts = [line for line in text.splitlines() if line.startswith("- **")]
     # one seed: both stds are 0, so any lead counts; the line names both groups and their numbers
     assert len(verdicts) == 1 and "fedmom 0." in verdicts[0] and "vs fedavg 0." in verdicts[0]
+    assert f"- tiny: {verdicts[0][2:].split(' vs ')[0]}\n" in text  # the overview at the top repeats it
     assert sorted(os.listdir(out)) == ["base.toml", "logs", "name=fedavg,seed=0", "name=fedmom,seed=0"]
 
     # a second call runs nothing (the runs are finished) and writes the same tables
