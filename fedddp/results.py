@@ -60,7 +60,11 @@ def header(path: str) -> dict[str, list[str]]:
     order (a continuation line, ``#`` and more than one space, joins the field above it)."""
     fields: dict[str, list[str]] = {}
     last = None
-    with open(path) as fh:
+    try:
+        fh = open(path)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the sweep file ({exc.strerror or exc})") from None
+    with fh:
         for line in fh:
             if not line.startswith("#"):
                 break
@@ -146,16 +150,21 @@ def read_commits(out: str) -> dict[str, str]:
         return {}
 
 
+def prepare_argv(line: str, path: str) -> list[str]:
+    """A '# Prepare:' line -> the command to run; only this project's modules are run."""
+    argv = shlex.split(line)
+    if argv[:2] != ["python", "-m"] or len(argv) < 3 or not argv[2].startswith("fedddp"):
+        raise ConfigError(f"{path}: '# Prepare:' runs 'python -m fedddp...', got {line!r}")
+    return [sys.executable] + argv[1:]
+
+
 def run_sweep(path: str, fields: dict, parallel: int, doc: str) -> tuple[int, float, int]:
     """Prepare, then the sweep; returns (exit status, wall seconds, runs started). Its runs are
     recorded as made at the commit of the checkout when it starts."""
     made_at = commit(doc)
     start = time.perf_counter()
     for line in fields.get("Prepare", []):
-        argv = shlex.split(line)
-        if argv[:2] != ["python", "-m"] or len(argv) < 3 or not argv[2].startswith("fedddp"):
-            raise ConfigError(f"{path}: '# Prepare:' runs 'python -m fedddp...', got {line!r}")
-        status = subprocess.run([sys.executable] + argv[1:]).returncode
+        status = subprocess.run(prepare_argv(line, path)).returncode
         if status != 0:
             return status, time.perf_counter() - start, 0
     out, _, points = sweep.plan(os.path.relpath(path), [], None)
@@ -324,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             for text in fields[p]["Summary"]:
                 summary_args(text, f"{p}: '# Summary:'")
             parse_verdict(fields[p]["Verdict"][0], p)
+            for line in fields[p].get("Prepare", []):
+                prepare_argv(line, p)
         failed = []
         if not args.no_run:
             for p in paths:

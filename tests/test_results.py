@@ -109,3 +109,5 @@ def test_header_without_a_verdict_is_one_line(tmp_path):
     proc = call(str(path), "--doc", str(tmp_path / "doc.md"))
     assert proc.returncode == 2 and not (tmp_path / "r").exists()
     assert proc.stderr.count("\n") == 1 and "no '# Verdict:' line" in proc.stderr and "Traceback" not in proc.stderr
+    missing = call(str(tmp_path / "nope.toml"), "--doc", str(tmp_path / "doc.md"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nope.toml: cannot read" in missing.stderr
