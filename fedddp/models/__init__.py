@@ -85,7 +85,7 @@ def resnet18(input_shape, num_classes) -> Net:
     return Net(net, head)
 
 
-def build_model(cfg, input_shape, num_classes, task: str = "classification") -> nn.Module:
+def build_model(cfg, input_shape, num_classes, task: str | None = None) -> nn.Module:
     """The model of ``model.name`` (a built-in, or ``module:attr`` called as (input_shape,
     num_classes)) for data of this shape and task, checked against what the run's rules need
     (``algorithms.check_model``: a ConfigError naming what is missing); MOON's projection head
@@ -94,6 +94,11 @@ def build_model(cfg, input_shape, num_classes, task: str = "classification") -> 
     from ..algorithms import check_model, resolve  # late: algorithms imports the strategy registry
     from ..errors import ConfigError
 
+    from ..tasks import of_data
+
+    # None: the task of a built-in data set by its name (the data's own FederatedData.task is
+    # what the round loop passes)
+    task = task or of_data(cfg.data.name) or "classification"
     name, input_shape = cfg.model.name, tuple(input_shape)
     if plugins.is_path(name):
         net = plugins.get(name, "model.name")(input_shape, num_classes)
