@@ -63,6 +63,10 @@ class RunConfig:
     deadline_steps: int = opt(0, "Drop (as a straggler) every sampled client whose local steps this round "
                                  "exceed this many; 0: no deadline. It does not train and its client "
                                  "state is untouched.")
+    parallel_clients: int = opt(1, "Clients a rank trains side by side (B) as one batched computation over "
+                                   "stacked parameters (fedddp.client.batched); 1: one after another, the "
+                                   "reference. Equal to it to float32 rounding; on CPU 1 is fastest "
+                                   "(BENCHMARKS.md).")
 
 
 # Keys that may differ between a checkpoint and the run that resumes from it: they do not decide
@@ -365,6 +369,8 @@ def validate(cfg: Config) -> list[str]:
     errors.extend(check_algorithm(cfg))
     from .participation import check as check_participation
     errors.extend(check_participation(cfg))
+    from .client.batched import check as check_parallel_clients
+    errors.extend(check_parallel_clients(cfg))
     return errors
 
 

@@ -71,6 +71,26 @@ def assign_clients(sampled: list[int], cost_of, world_size: int, balanced: bool)
     return [sorted(p) for p in per_rank]
 
 
+def assign_groups(sampled: list[int], cost_of, world_size: int, balanced: bool,
+                  size: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """``assign_clients`` for clients trained side by side in groups of up to ``size``
+    (run.parallel_clients): per rank, its clients in client-id order and its groups.
+
+    balanced: the sampled clients in client-id order are cut into groups of ``size`` whatever
+    the world size, and whole groups (cost: the sum of their clients') are assigned as
+    ``assign_clients`` assigns clients, so every client trains in the same group, and to the
+    same bits, on any number of ranks. Otherwise (per-client state on the owner rank) each
+    rank cuts its own clients into groups, which then depend on the world size."""
+    if not balanced:
+        per_rank = assign_clients(sampled, cost_of, world_size, balanced)
+        return per_rank, [[p[i:i + size] for i in range(0, len(p), size)] for p in per_rank]
+    groups = [sampled[i:i + size] for i in range(0, len(sampled), size)]
+    per_rank_groups = assign_clients(list(range(len(groups))), lambda g: sum(map(cost_of, groups[g])),
+                                     world_size, balanced)
+    groups_R = [[groups[g] for g in gs] for gs in per_rank_groups]
+    return [sorted(c for g in gs for c in g) for gs in groups_R], groups_R
+
+
 def layout_rows(sampled: list[int], world_size: int,
                 per_rank: list[list[int]] | None = None) -> tuple[int, list[int]]:
     """Rows per rank M (ranks with fewer sampled clients pad) and, for the gathered

@@ -1,0 +1,317 @@
+"""Side-by-side local training (``run.parallel_clients = B > 1``): up to B of a rank's clients
+trained as one batched computation over parameters stacked on a client dimension.
+
+Legend: B clients of a group, S padded samples of a step (the group's largest batch), P flat
+elements, T parameter tensors.
+
+Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` over the stacked
+parameters, no compilation. It keeps ``train_client``'s semantics client by client (that path,
+``B = 1``, stays the reference):
+
+- batches: each client draws from its own generator seeded by (seed, round, client id), in the
+  same order as ``train_client`` (``randperm`` per epoch, then augmentation), so a client's
+  batches hold the same samples; they are padded to S under a per-sample mask, and each
+  client's loss is its own mean over its own (possibly partial) batch;
+- steps: a client that has done its ``planned_steps`` is frozen: its parameters, optimizer
+  state and rule state are kept by ``torch.where``, never stepped with a zero gradient;
+- learning rate per client and step (``lr_at`` on its own epoch clock);
+- optimizers as functional updates of the stacked state, written as torch's (SGD with
+  momentum, weight decay and Nesterov; Adam); AdamP and RMSGD are refused (config check);
+- local rules: their ``begin`` and ``end`` hooks run per client as in the sequential path (the
+  state they read and write is the same), and their per-step direction is written here over
+  the stacks (plain, prox, scaffold, sam, gam, gam_cv, smoo); MOON is refused;
+- reports: the trained parameters (and last-step directions) go from the stacks straight into
+  the report rows; full-batch gradients (CGW) and effective ranks (FedER) are computed per
+  client by the sequential functions, after loading its trained parameters into the model.
+
+Models with BatchNorm are refused: padded samples would enter the batch statistics.
+
+The result equals the sequential path to float32 rounding, not bit for bit (the batched kernels
+sum in another order); tests/test_parallel_clients.py states the tolerance. The bits do depend
+on the group a client trains in, so groups are cut without regard to the world size
+(``fedddp.sampling.assign_groups``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+from ..flat import FlatLayout
+from . import ClientContext, full_batch_gradient, planned_steps, start_gradient
+from .optim import lr_at
+
+RULES = ("plain", "prox", "scaffold", "sam", "gam", "gam_cv", "smoo")
+OPTIMIZERS = ("sgd", "adam")
+BATCH_NORM_MODELS = ("resnet18",)
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
+
+
+def check(cfg) -> list[str]:
+    """Configuration errors of run.parallel_clients: each names what is not batched and the fix."""
+    size = cfg.run.parallel_clients
+    if size < 1:
+        return [f"run.parallel_clients: must be >= 1 (1: one client after another), got {size}"]
+    if size == 1:
+        return []
+    from ..algorithms import resolve  # late: algorithms imports the strategy registry
+    try:
+        local = resolve(cfg)[0]
+    except Exception:  # noqa: BLE001 - an unknown algorithm is reported by its own check
+        return []
+    fix = "; set run.parallel_clients=1"
+    errors = []
+    if local not in RULES:
+        errors.append(f"run.parallel_clients: the local rule {local} is not batched (batched: "
+                      f"{', '.join(RULES)}){fix}")
+    if cfg.train.optimizer not in OPTIMIZERS:
+        errors.append(f"run.parallel_clients: train.optimizer = {cfg.train.optimizer} is not batched "
+                      f"(batched: {', '.join(OPTIMIZERS)}){fix}")
+    if cfg.model.name in BATCH_NORM_MODELS:
+        errors.append(f"run.parallel_clients: model.name = {cfg.model.name} has BatchNorm, whose batch "
+                      f"statistics padded samples would enter{fix}")
+    return errors
+
+
+class _Schedule:
+    """One client's batches and learning rates, drawn exactly as ``train_client`` draws them."""
+
+    def __init__(self, cid, data, tc, augment: bool, round_idx: int, seed: int, work: int, device):
+        self.cid, self.data, self.tc, self.augment = cid, data, tc, augment
+        n = len(data)
+        self.batch_size = n if tc.batch_size <= 0 else min(tc.batch_size, n)
+        self.per_epoch = -(-n // self.batch_size)
+        self.steps = planned_steps(n, tc, work)
+        self.round_idx, self.epochs_before = round_idx, (round_idx - 1) * tc.local_epochs
+        self.gen = torch.Generator().manual_seed(seed)
+        self.device, self.order = device, None
+
+    def batch(self, step: int):
+        pos = step % self.per_epoch
+        if pos == 0:
+            self.order = torch.randperm(len(self.data), generator=self.gen).to(self.device)
+        idx = self.order[pos * self.batch_size:(pos + 1) * self.batch_size]
+        x, y = self.data.x[idx], self.data.y[idx]
+        if self.augment:
+            from ..data.vision import augment_batch
+            x = augment_batch(x, self.gen)
+        return x, y
+
+    def lr(self, step: int) -> float:
+        return lr_at(self.tc, self.round_idx, self.epochs_before + step // self.per_epoch)
+
+
+def _stack_views(views_BT: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Per parameter tensor, the B clients' views stacked on dim 0; a tensor every client shares
+    (FedProx's anchor: the global model) stays unstacked and broadcasts."""
+    stacked = []
+    for per_client in zip(*views_BT):
+        first = per_client[0]
+        if all(v.data_ptr() == first.data_ptr() for v in per_client):
+            stacked.append(first)
+        else:
+            stacked.append(torch.stack(per_client))
+    return stacked
+
+
+def _per_client(mask_B: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B] reshaped to broadcast over a stacked [B, ...] tensor."""
+    return mask_B.view((-1,) + (1,) * (like.dim() - 1))
+
+
+def _ascent(grads_T, rho: float, eps: float):
+    """SAM's e = rho g / (||g|| + eps) per client, the norm over every parameter of the client."""
+    norms_TB = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads_T])
+    scale_B = rho / (torch.linalg.vector_norm(norms_TB, dim=0) + eps)
+    return [g * _per_client(scale_B, g) for g in grads_T]
+
+
+class BatchedTrainer:
+    """Trains groups of clients side by side; one per run (it holds the model's functional form)."""
+
+    def __init__(self, model, layout: FlatLayout, cfg, rule, needs: frozenset, task):
+        self.model, self.layout, self.cfg, self.rule, self.needs, self.task = model, layout, cfg, rule, needs, task
+        self.param_entries = [e for e in layout.entries if e.is_param]
+        self.names = [e.name for e in self.param_entries]
+
+        def loss(params_T, x, y, mask, count):
+            output = functional_call(model, dict(zip(self.names, params_T)), (x,))
+            return (task.loss(output, y, reduction="none") * mask).sum() / count
+
+        # per client: (gradients of the loss, the loss) at its own parameters and batch
+        self.grad_and_loss = vmap(grad_and_value(loss))
+
+    def train_group(self, group: list[tuple[ClientContext, object, int, int, dict]]) -> None:
+        """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
+        client's report views as in ``train_client``) side by side and write their reports."""
+        t_start = time.perf_counter()
+        cfg, tc, rule, layout = self.cfg, self.cfg.train, self.rule, self.layout
+        ctx0 = group[0][0]
+        hp, device, global_P = ctx0.hp, ctx0.global_P.device, ctx0.global_P
+        B = len(group)
+        schedules = [_Schedule(ctx.client_id, data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
+                     for ctx, data, seed, work, out in group]
+        steps_B = [s.steps for s in schedules]
+        max_steps, width = max(steps_B), max(s.batch_size for s in schedules)
+
+        # rule hooks per client, as train_client calls them (model holds global_P)
+        self.layout.unflatten_into(global_P, self.model)
+        for (ctx, data, seed, work, out) in group:
+            if rule.needs_start_gradient(hp):
+                ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task)
+            rule.begin(self.model, ctx)
+        scratch = {key: _stack_views([ctx.scratch[key] for ctx, *_ in group])
+                   for key in ("anchor", "correction", "mu", "s") if key in ctx0.scratch}
+
+        params_T = [global_P[e.offset:e.offset + e.numel].view(e.shape).expand((B,) + e.shape).clone()
+                    for e in self.param_entries]
+        momentum_T, exp_avg_T, exp_avg_sq_T = None, None, None
+        last_T = [torch.zeros_like(p) for p in params_T] if "last_grad_KP" in self.needs else None
+        loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
+        lr_sum_B = [0.0] * B
+        steps_t = torch.tensor(steps_B, device=device)
+
+        sample = group[0][1].x
+        x_BS = torch.zeros((B, width) + tuple(sample.shape[1:]), dtype=sample.dtype, device=device)
+        y_BS = torch.zeros((B, width), dtype=group[0][1].y.dtype, device=device)
+        mask_BS = torch.zeros(B, width, device=device)
+        count_B = torch.ones(B, device=device)
+        for step in range(max_steps):
+            active_B = steps_t > step
+            mask_BS.zero_()
+            lr_B = [s.lr(step) if step < s.steps else None for s in schedules]
+            for b, s in enumerate(schedules):
+                if step < s.steps:
+                    x, y = s.batch(step)
+                    m = len(y)
+                    x_BS[b, :m], y_BS[b, :m], mask_BS[b, :m], count_B[b] = x, y, 1.0, float(m)
+                    lr_sum_B[b] += lr_B[b]
+            # a frozen client's rate is never used: it takes an active one's, so the group keeps
+            # one shared rate whenever its active clients do
+            lr_B = [next(lr for lr in lr_B if lr is not None) if lr is None else lr for lr in lr_B]
+            grads_T, loss_B = self.grad_and_loss(params_T, x_BS, y_BS, mask_BS, count_B)
+            loss_sum_B += torch.where(active_B, loss_B.detach().double(), 0.0)
+            direction_T = self._direction(params_T, grads_T, x_BS, y_BS, mask_BS, count_B, scratch,
+                                          active_B, hp)
+            if last_T is not None:
+                is_last_B = steps_t == step + 1
+                last_T = [torch.where(_per_client(is_last_B, d), d, last) for d, last in zip(direction_T, last_T)]
+            # the optimizer: torch's update of each parameter, frozen where a client is done
+            if tc.optimizer == "sgd":
+                new_T, momentum_T = _sgd(params_T, direction_T, momentum_T, tc, lr_B, active_B)
+            else:
+                new_T, exp_avg_T, exp_avg_sq_T = _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T,
+                                                       tc, lr_B, step + 1, active_B)
+            params_T = [torch.where(_per_client(active_B, p), new, p) for p, new in zip(params_T, new_T)]
+
+        # -- reports: straight from the stacks into the report rows -----------------------------
+        params_BP = self._flat_BP(params_T)
+        last_BP = self._flat_BP(last_T) if last_T is not None else None
+        seconds = (time.perf_counter() - t_start) / B
+        for b, (ctx, data, seed, work, out) in enumerate(group):
+            out["params_P"].copy_(params_BP[b])
+            if last_BP is not None:
+                out["last_grad_P"].copy_(last_BP[b])
+            if "mu" in scratch:  # FedSMOO's dual, updated in place through these views in ctx.scratch
+                for view, stacked in zip(ctx.scratch["mu"], scratch["mu"]):
+                    view.copy_(stacked[b])
+            steps = steps_B[b]
+            rule.end(None, ctx, steps, lr_sum_B[b] / max(steps, 1), out)
+            out["train_loss"] = loss_sum_B[b] / max(steps, 1)
+            out["num_samples"] = torch.tensor(float(len(data)))
+            out["num_steps"] = torch.tensor(float(steps))
+            if "full_grad_KP" in self.needs or "eff_rank_KL" in self.needs:
+                layout.unflatten_into(out["params_P"], self.model)
+                if "full_grad_KP" in self.needs:
+                    out["full_loss"] = full_batch_gradient(self.model, data, layout, out["full_grad_P"], ctx.task)
+                if "eff_rank_KL" in self.needs:
+                    from ..metrics.effective_rank import effective_ranks_L
+                    out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
+            out["train_time"] = seconds
+
+    def _flat_BP(self, stacks_T) -> torch.Tensor:
+        """[B, P] rows from per-tensor stacks: parameters in layout order, zeros for buffers (the
+        models batched here have none)."""
+        B = stacks_T[0].shape[0]
+        flat_BP = torch.zeros(B, self.layout.numel, device=stacks_T[0].device)
+        for e, t in zip(self.param_entries, stacks_T):
+            flat_BP[:, e.offset:e.offset + e.numel] = t.reshape(B, -1)
+        return flat_BP
+
+    def _direction(self, params_T, grads_T, x, y, mask, count, scratch, active_B, hp):
+        """The step direction of the local rule per client (rules.py has the sequential forms)."""
+        name = self.rule.name
+        if name in ("sam", "gam", "gam_cv"):
+            rho = hp.sam_rho if name == "sam" else hp.gam_rho
+            shift_T = _ascent(grads_T, rho, 1e-12)
+            adv_T = self._grads_at(params_T, shift_T, x, y, mask, count)
+            direction_T = adv_T if name == "sam" else [torch.add(g, a, alpha=hp.gam_alpha * rho)
+                                                       for g, a in zip(grads_T, adv_T)]
+        elif name == "smoo":
+            mu_T, s_T = scratch["mu"], scratch["s"]
+            shift_T = _ascent([g - m - s for g, m, s in zip(grads_T, mu_T, s_T)], hp.sam_rho, 1e-7)
+            scratch["mu"] = [torch.where(_per_client(active_B, m), m + (e - s), m)
+                             for m, e, s in zip(mu_T, shift_T, s_T)]
+            adv_T = self._grads_at(params_T, shift_T, x, y, mask, count)
+            direction_T = [a + hp.smoo_lambda * (p - anc) for a, p, anc in zip(adv_T, params_T, scratch["anchor"])]
+        elif name == "prox":
+            direction_T = [g + hp.prox_mu * (p - a) for g, p, a in zip(grads_T, params_T, scratch["anchor"])]
+        else:
+            direction_T = list(grads_T)
+        if "correction" in scratch:  # SCAFFOLD, FedGAM-CV: c - c_k
+            direction_T = [d + c for d, c in zip(direction_T, scratch["correction"])]
+        return direction_T
+
+    def _grads_at(self, params_T, shift_T, x, y, mask, count):
+        return self.grad_and_loss([p + e for p, e in zip(params_T, shift_T)], x, y, mask, count)[0]
+
+
+def _lr_factor(lr_B: list[float], like: torch.Tensor):
+    """The clients' learning rates: a float when they share one (the common case), else [B]."""
+    if all(lr == lr_B[0] for lr in lr_B):
+        return lr_B[0]
+    return _per_client(torch.tensor(lr_B, device=like.device), like)
+
+
+def _sgd(params_T, direction_T, momentum_T, tc, lr_B, active_B):
+    """torch.optim.SGD's update (dampening 0); the momentum buffer starts as the first direction."""
+    nesterov = getattr(tc, "nesterov", False)
+    new_T, new_momentum_T = [], []
+    for i, (p, d) in enumerate(zip(params_T, direction_T)):
+        if tc.weight_decay:
+            d = d.add(p, alpha=tc.weight_decay)
+        if tc.momentum:
+            buf = d.clone() if momentum_T is None else momentum_T[i] * tc.momentum + d
+            if momentum_T is not None:
+                buf = torch.where(_per_client(active_B, buf), buf, momentum_T[i])
+            new_momentum_T.append(buf)
+            d = d.add(buf, alpha=tc.momentum) if nesterov else buf
+        lr = _lr_factor(lr_B, p)
+        new_T.append(p.add(d, alpha=-lr) if isinstance(lr, float) else p - lr * d)
+    return new_T, (new_momentum_T if tc.momentum else None)
+
+
+def _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T, tc, lr_B, t: int, active_B):
+    """torch.optim.Adam's update (no amsgrad), step count t shared by the active clients."""
+    beta1, beta2 = ADAM_BETAS
+    if exp_avg_T is None:
+        exp_avg_T = [torch.zeros_like(p) for p in params_T]
+        exp_avg_sq_T = [torch.zeros_like(p) for p in params_T]
+    bias_correction1, bias_correction2_sqrt = 1 - beta1 ** t, math.sqrt(1 - beta2 ** t)
+    new_T, new_avg_T, new_sq_T = [], [], []
+    for p, g, avg, sq in zip(params_T, direction_T, exp_avg_T, exp_avg_sq_T):
+        if tc.weight_decay:
+            g = g.add(p, alpha=tc.weight_decay)
+        keep = _per_client(active_B, p)
+        avg = torch.where(keep, avg.lerp(g, 1 - beta1), avg)
+        sq = torch.where(keep, sq.mul(beta2).addcmul(g, g, value=1 - beta2), sq)
+        denom = (sq.sqrt() / bias_correction2_sqrt).add(ADAM_EPS)
+        lr = _lr_factor(lr_B, p)
+        new_T.append(p.addcdiv(avg, denom, value=-lr / bias_correction1) if isinstance(lr, float)
+                     else p - (lr / bias_correction1) * avg / denom)
+        new_avg_T.append(avg)
+        new_sq_T.append(sq)
+    return new_T, new_avg_T, new_sq_T
