@@ -104,22 +104,9 @@ class _Schedule:
         return lr_at(self.tc, self.round_idx, self.epochs_before + step // self.per_epoch)
 
 
-def _stack_views(views_BT: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Per parameter tensor, the B clients' views stacked on dim 0; a tensor every client shares
-    (FedProx's anchor: the global model) stays unstacked and broadcasts."""
-    stacked = []
-    for per_client in zip(*views_BT):
-        first = per_client[0]
-        if all(v.data_ptr() == first.data_ptr() for v in per_client):
-            stacked.append(first)
-        else:
-            stacked.append(torch.stack(per_client))
-    return stacked
-
-
-def _per_client(mask_B: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[B] reshaped to broadcast over a stacked [B, ...] tensor."""
-    return mask_B.view((-1,) + (1,) * (like.dim() - 1))
+def _per_client(values_L: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[L] reshaped to broadcast over a stacked [L, ...] tensor."""
+    return values_L.view((-1,) + (1,) * (like.dim() - 1))
 
 
 def _ascent(grads_T, rho: float, eps: float):
@@ -148,102 +135,119 @@ class BatchedTrainer:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
         client's report views as in ``train_client``) side by side and write their reports."""
         t_start = time.perf_counter()
-        cfg, tc, rule, layout = self.cfg, self.cfg.train, self.rule, self.layout
+        cfg, tc, rule, layout, needs = self.cfg, self.cfg.train, self.rule, self.layout, self.needs
         ctx0 = group[0][0]
         hp, device, global_P = ctx0.hp, ctx0.global_P.device, ctx0.global_P
         B = len(group)
         schedules = [_Schedule(ctx.client_id, data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
                      for ctx, data, seed, work, out in group]
         steps_B = [s.steps for s in schedules]
-        max_steps, width = max(steps_B), max(s.batch_size for s in schedules)
 
         # rule hooks per client, as train_client calls them (model holds global_P)
-        self.layout.unflatten_into(global_P, self.model)
+        layout.unflatten_into(global_P, self.model)
         for (ctx, data, seed, work, out) in group:
             if rule.needs_start_gradient(hp):
                 ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task)
             rule.begin(self.model, ctx)
-        scratch = {key: _stack_views([ctx.scratch[key] for ctx, *_ in group])
-                   for key in ("anchor", "correction", "mu", "s") if key in ctx0.scratch}
-
-        params_T = [global_P[e.offset:e.offset + e.numel].view(e.shape).expand((B,) + e.shape).clone()
-                    for e in self.param_entries]
-        momentum_T, exp_avg_T, exp_avg_sq_T = None, None, None
-        last_T = [torch.zeros_like(p) for p in params_T] if "last_grad_KP" in self.needs else None
+        # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
+        # the order of ``live``); one every client shares (FedProx's anchor: the global model)
+        # stays in ``shared`` and broadcasts.
+        stacks, shared = {}, {}
+        for key in ("anchor", "correction", "mu", "s"):
+            if key in ctx0.scratch:
+                views_BT = [ctx.scratch[key] for ctx, *_ in group]
+                if all(v.data_ptr() == w.data_ptr() for views_T in views_BT for v, w in zip(views_T, views_BT[0])):
+                    shared[key] = views_BT[0]
+                else:
+                    stacks[key] = [torch.stack(views_B) for views_B in zip(*views_BT)]
+        stacks["params"] = [global_P[e.offset:e.offset + e.numel].view(e.shape).expand((B,) + e.shape).clone()
+                            for e in self.param_entries]
+        if tc.optimizer == "adam":
+            stacks["exp_avg"] = [torch.zeros_like(p) for p in stacks["params"]]
+            stacks["exp_avg_sq"] = [torch.zeros_like(p) for p in stacks["params"]]
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
-        steps_t = torch.tensor(steps_B, device=device)
 
-        sample = group[0][1].x
-        x_BS = torch.zeros((B, width) + tuple(sample.shape[1:]), dtype=sample.dtype, device=device)
-        y_BS = torch.zeros((B, width), dtype=group[0][1].y.dtype, device=device)
-        mask_BS = torch.zeros(B, width, device=device)
-        count_B = torch.ones(B, device=device)
-        for step in range(max_steps):
-            active_B = steps_t > step
-            mask_BS.zero_()
-            lr_B = [s.lr(step) if step < s.steps else None for s in schedules]
-            for b, s in enumerate(schedules):
-                if step < s.steps:
-                    x, y = s.batch(step)
-                    m = len(y)
-                    x_BS[b, :m], y_BS[b, :m], mask_BS[b, :m], count_B[b] = x, y, 1.0, float(m)
-                    lr_sum_B[b] += lr_B[b]
-            # a frozen client's rate is never used: it takes an active one's, so the group keeps
-            # one shared rate whenever its active clients do
-            lr_B = [next(lr for lr in lr_B if lr is not None) if lr is None else lr for lr in lr_B]
-            grads_T, loss_B = self.grad_and_loss(params_T, x_BS, y_BS, mask_BS, count_B)
-            loss_sum_B += torch.where(active_B, loss_B.detach().double(), 0.0)
-            direction_T = self._direction(params_T, grads_T, x_BS, y_BS, mask_BS, count_B, scratch,
-                                          active_B, hp)
-            if last_T is not None:
-                is_last_B = steps_t == step + 1
-                last_T = [torch.where(_per_client(is_last_B, d), d, last) for d, last in zip(direction_T, last_T)]
-            # the optimizer: torch's update of each parameter, frozen where a client is done
+        live = list(range(B))
+        for step in range(max(steps_B)):
+            x, y, mask, count, lr_L = self._batches([schedules[b] for b in live], step, device)
+            for b, lr in zip(live, lr_L):
+                lr_sum_B[b] += lr
+            grads_T, loss_L = self.grad_and_loss(stacks["params"], x, y, mask, count)
+            loss_sum_B[live] += loss_L.detach().double()
+            direction_T = self._direction(stacks, shared, grads_T, x, y, mask, count, hp)
+            done = [j for j, b in enumerate(live) if steps_B[b] == step + 1]
+            if done and "last_grad_KP" in needs:
+                for j, last_P in zip(done, self._flat_BP(direction_T, done)):
+                    group[live[j]][4]["last_grad_P"].copy_(last_P)
+            # the optimizer: torch's update, over the stacked state
             if tc.optimizer == "sgd":
-                new_T, momentum_T = _sgd(params_T, direction_T, momentum_T, tc, lr_B, active_B)
+                stacks["params"], momentum_T = _sgd(stacks["params"], direction_T, stacks.get("momentum"), tc, lr_L)
+                if momentum_T is not None:
+                    stacks["momentum"] = momentum_T
             else:
-                new_T, exp_avg_T, exp_avg_sq_T = _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T,
-                                                       tc, lr_B, step + 1, active_B)
-            params_T = [torch.where(_per_client(active_B, p), new, p) for p, new in zip(params_T, new_T)]
+                stacks["params"], stacks["exp_avg"], stacks["exp_avg_sq"] = _adam(
+                    stacks["params"], direction_T, stacks["exp_avg"], stacks["exp_avg_sq"], tc, lr_L, step + 1)
+            if done:
+                # a client that has taken its steps leaves the stacks with its parameters and
+                # state as they are (never stepped again, not even with a zero gradient)
+                for j, params_P in zip(done, self._flat_BP(stacks["params"], done)):
+                    ctx, *_, out = group[live[j]]
+                    out["params_P"].copy_(params_P)
+                    if "mu" in stacks:  # FedSMOO's dual, which ctx.scratch["perturb_dual_P"] holds
+                        for view, mu in zip(ctx.scratch["mu"], stacks["mu"]):
+                            view.copy_(mu[j])
+                keep = [j for j in range(len(live)) if j not in done]
+                index = torch.tensor(keep, dtype=torch.long, device=device)
+                stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}
+                live = [live[j] for j in keep]
 
-        # -- reports: straight from the stacks into the report rows -----------------------------
-        params_BP = self._flat_BP(params_T)
-        last_BP = self._flat_BP(last_T) if last_T is not None else None
+        # -- the rest of each report, as train_client writes it --------------------------------
         seconds = (time.perf_counter() - t_start) / B
         for b, (ctx, data, seed, work, out) in enumerate(group):
-            out["params_P"].copy_(params_BP[b])
-            if last_BP is not None:
-                out["last_grad_P"].copy_(last_BP[b])
-            if "mu" in scratch:  # FedSMOO's dual, updated in place through these views in ctx.scratch
-                for view, stacked in zip(ctx.scratch["mu"], scratch["mu"]):
-                    view.copy_(stacked[b])
             steps = steps_B[b]
             rule.end(None, ctx, steps, lr_sum_B[b] / max(steps, 1), out)
             out["train_loss"] = loss_sum_B[b] / max(steps, 1)
             out["num_samples"] = torch.tensor(float(len(data)))
             out["num_steps"] = torch.tensor(float(steps))
-            if "full_grad_KP" in self.needs or "eff_rank_KL" in self.needs:
+            if "full_grad_KP" in needs or "eff_rank_KL" in needs:
                 layout.unflatten_into(out["params_P"], self.model)
-                if "full_grad_KP" in self.needs:
+                if "full_grad_KP" in needs:
                     out["full_loss"] = full_batch_gradient(self.model, data, layout, out["full_grad_P"], ctx.task)
-                if "eff_rank_KL" in self.needs:
+                if "eff_rank_KL" in needs:
                     from ..metrics.effective_rank import effective_ranks_L
                     out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
             out["train_time"] = seconds
 
-    def _flat_BP(self, stacks_T) -> torch.Tensor:
-        """[B, P] rows from per-tensor stacks: parameters in layout order, zeros for buffers (the
-        models batched here have none)."""
-        B = stacks_T[0].shape[0]
-        flat_BP = torch.zeros(B, self.layout.numel, device=stacks_T[0].device)
+    @staticmethod
+    def _batches(schedules: list[_Schedule], step: int, device):
+        """This step's batches of the L clients, padded to the largest: x [L, S, ...], y [L, S],
+        mask [L, S] (1 on a client's own samples), count [L] (its batch size), and the rates."""
+        batches = [s.batch(step) for s in schedules]
+        width = max(len(y) for _, y in batches)
+        x0, y0 = batches[0]
+        x = torch.zeros((len(batches), width) + tuple(x0.shape[1:]), dtype=x0.dtype, device=device)
+        y = torch.zeros((len(batches), width), dtype=y0.dtype, device=device)
+        mask = torch.zeros(len(batches), width, device=device)
+        for j, (xj, yj) in enumerate(batches):
+            x[j, :len(yj)], y[j, :len(yj)], mask[j, :len(yj)] = xj, yj, 1.0
+        count = mask.sum(1)
+        return x, y, mask, count, [s.lr(step) for s in schedules]
+
+    def _flat_BP(self, stacks_T, rows: list[int]) -> torch.Tensor:
+        """[len(rows), P] flat vectors of the given rows of per-tensor stacks: parameters in layout
+        order, zeros for buffers (the models batched here have none)."""
+        index = torch.tensor(rows, dtype=torch.long, device=stacks_T[0].device)
+        flat_BP = torch.zeros(len(rows), self.layout.numel, device=stacks_T[0].device)
         for e, t in zip(self.param_entries, stacks_T):
-            flat_BP[:, e.offset:e.offset + e.numel] = t.reshape(B, -1)
+            flat_BP[:, e.offset:e.offset + e.numel] = t.index_select(0, index).reshape(len(rows), -1)
         return flat_BP
 
-    def _direction(self, params_T, grads_T, x, y, mask, count, scratch, active_B, hp):
-        """The step direction of the local rule per client (rules.py has the sequential forms)."""
-        name = self.rule.name
+    def _direction(self, stacks, shared, grads_T, x, y, mask, count, hp):
+        """The step direction of the local rule per client (rules.py has the sequential forms);
+        FedSMOO's dual mu is updated in ``stacks`` on the way."""
+        name, scratch = self.rule.name, shared | stacks
+        params_T = stacks["params"]
         if name in ("sam", "gam", "gam_cv"):
             rho = hp.sam_rho if name == "sam" else hp.gam_rho
             shift_T = _ascent(grads_T, rho, 1e-12)
@@ -253,8 +257,7 @@ class BatchedTrainer:
         elif name == "smoo":
             mu_T, s_T = scratch["mu"], scratch["s"]
             shift_T = _ascent([g - m - s for g, m, s in zip(grads_T, mu_T, s_T)], hp.sam_rho, 1e-7)
-            scratch["mu"] = [torch.where(_per_client(active_B, m), m + (e - s), m)
-                             for m, e, s in zip(mu_T, shift_T, s_T)]
+            stacks["mu"] = [m + (e - s) for m, e, s in zip(mu_T, shift_T, s_T)]
             adv_T = self._grads_at(params_T, shift_T, x, y, mask, count)
             direction_T = [a + hp.smoo_lambda * (p - anc) for a, p, anc in zip(adv_T, params_T, scratch["anchor"])]
         elif name == "prox":
@@ -269,14 +272,14 @@ class BatchedTrainer:
         return self.grad_and_loss([p + e for p, e in zip(params_T, shift_T)], x, y, mask, count)[0]
 
 
-def _lr_factor(lr_B: list[float], like: torch.Tensor):
-    """The clients' learning rates: a float when they share one (the common case), else [B]."""
-    if all(lr == lr_B[0] for lr in lr_B):
-        return lr_B[0]
-    return _per_client(torch.tensor(lr_B, device=like.device), like)
+def _lr_factor(lr_L: list[float], like: torch.Tensor):
+    """The clients' learning rates: a float when they share one (the common case), else [L]."""
+    if all(lr == lr_L[0] for lr in lr_L):
+        return lr_L[0]
+    return _per_client(torch.tensor(lr_L, device=like.device), like)
 
 
-def _sgd(params_T, direction_T, momentum_T, tc, lr_B, active_B):
+def _sgd(params_T, direction_T, momentum_T, tc, lr_L):
     """torch.optim.SGD's update (dampening 0); the momentum buffer starts as the first direction."""
     nesterov = getattr(tc, "nesterov", False)
     new_T, new_momentum_T = [], []
@@ -285,31 +288,25 @@ def _sgd(params_T, direction_T, momentum_T, tc, lr_B, active_B):
             d = d.add(p, alpha=tc.weight_decay)
         if tc.momentum:
             buf = d.clone() if momentum_T is None else momentum_T[i] * tc.momentum + d
-            if momentum_T is not None:
-                buf = torch.where(_per_client(active_B, buf), buf, momentum_T[i])
             new_momentum_T.append(buf)
             d = d.add(buf, alpha=tc.momentum) if nesterov else buf
-        lr = _lr_factor(lr_B, p)
+        lr = _lr_factor(lr_L, p)
         new_T.append(p.add(d, alpha=-lr) if isinstance(lr, float) else p - lr * d)
     return new_T, (new_momentum_T if tc.momentum else None)
 
 
-def _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T, tc, lr_B, t: int, active_B):
-    """torch.optim.Adam's update (no amsgrad), step count t shared by the active clients."""
+def _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T, tc, lr_L, t: int):
+    """torch.optim.Adam's update (no amsgrad), step count t shared by the clients stepping."""
     beta1, beta2 = ADAM_BETAS
-    if exp_avg_T is None:
-        exp_avg_T = [torch.zeros_like(p) for p in params_T]
-        exp_avg_sq_T = [torch.zeros_like(p) for p in params_T]
     bias_correction1, bias_correction2_sqrt = 1 - beta1 ** t, math.sqrt(1 - beta2 ** t)
     new_T, new_avg_T, new_sq_T = [], [], []
     for p, g, avg, sq in zip(params_T, direction_T, exp_avg_T, exp_avg_sq_T):
         if tc.weight_decay:
             g = g.add(p, alpha=tc.weight_decay)
-        keep = _per_client(active_B, p)
-        avg = torch.where(keep, avg.lerp(g, 1 - beta1), avg)
-        sq = torch.where(keep, sq.mul(beta2).addcmul(g, g, value=1 - beta2), sq)
+        avg = avg.lerp(g, 1 - beta1)
+        sq = sq.mul(beta2).addcmul(g, g, value=1 - beta2)
         denom = (sq.sqrt() / bias_correction2_sqrt).add(ADAM_EPS)
-        lr = _lr_factor(lr_B, p)
+        lr = _lr_factor(lr_L, p)
         new_T.append(p.addcdiv(avg, denom, value=-lr / bias_correction1) if isinstance(lr, float)
                      else p - (lr / bias_correction1) * avg / denom)
         new_avg_T.append(avg)
