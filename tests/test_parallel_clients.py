@@ -61,13 +61,15 @@ def test_the_comparison_can_fail(tmp_path):
 
 RULES = [("fedavg", []), ("fedprox", ["algorithm.prox_mu=0.5"]), ("scaffold", []),
          ("scaffold", ["algorithm.scaffold_control=I"]), ("fednova", ["train.momentum=0.5"]),
+         ("moon", ["algorithm.moon_proj_dim=8"]), ("moon", ["algorithm.moon_proj_dim=0"]),
          ("fedsam", []), ("fedgam", ["algorithm.gam_rho=0.1"]), ("fedgam_cv", ["algorithm.gam_rho=0.1"]),
          ("fedsmoo", []), ("fedgma", []), ("cgw", [])]
 
 
 @pytest.mark.parametrize("name,extra", RULES, ids=[" ".join([n] + e) for n, e in RULES])
 def test_every_batched_rule_equals_sequential(tmp_path, name, extra):
-    """Each local rule's batched direction and state (SCAFFOLD's c_k, FedSMOO's duals), the
+    """Each local rule's batched direction and state (SCAFFOLD's c_k, FedSMOO's duals, MOON's
+    previous model and its contrastive term from round 2 on, with and without a projection head), the
     last-step gradients of FedGMA, FedNova's step counts and CGW's full-batch gradients, on an
     MLP with clients of unequal sizes and partial batches."""
     assert_close(tmp_path, SYNTHETIC + ["model.name=mlp", "model.hidden=16", f"algorithm.name={name}", *extra])
@@ -139,7 +141,6 @@ def test_world_size_invariance_bitwise_for_fixed_b(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,words", [
-    (["algorithm.name=moon"], "local rule moon is not batched"),
     (["train.optimizer=rmsgd"], "train.optimizer = rmsgd is not batched"),
     (["train.optimizer=adamp"], "train.optimizer = adamp is not batched"),
     (["model.name=resnet18", "data.name=cifar10"], "resnet18 has BatchNorm"),

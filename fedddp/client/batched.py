@@ -19,7 +19,7 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
   momentum, weight decay and Nesterov; Adam); AdamP and RMSGD are refused (config check);
 - local rules: their ``begin`` and ``end`` hooks run per client as in the sequential path (the
   state they read and write is the same), and their per-step direction is written here over
-  the stacks (plain, prox, scaffold, sam, gam, gam_cv, smoo); MOON is refused;
+  the stacks (plain, prox, scaffold, moon, sam, gam, gam_cv, smoo);
 - reports: the trained parameters (and last-step directions) go from the stacks straight into
   the report rows; full-batch gradients (CGW) and effective ranks (FedER) are computed per
   client by the sequential functions, after loading its trained parameters into the model.
@@ -38,13 +38,15 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from ..flat import FlatLayout
 from . import ClientContext, full_batch_gradient, planned_steps, start_gradient
 from .optim import lr_at
 
-RULES = ("plain", "prox", "scaffold", "sam", "gam", "gam_cv", "smoo")
+RULES = ("plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo")
 OPTIMIZERS = ("sgd", "adam")
 BATCH_NORM_MODELS = ("resnet18",)
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
@@ -104,6 +106,18 @@ class _Schedule:
         return lr_at(self.tc, self.round_idx, self.epochs_before + step // self.per_epoch)
 
 
+class _Represent(nn.Module):
+    """A model as (representation, output), so that functional_call reaches ``represent``."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        z = self.net.represent(x)
+        return z, self.net.head(z)
+
+
 def _per_client(values_L: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """[L] reshaped to broadcast over a stacked [L, ...] tensor."""
     return values_L.view((-1,) + (1,) * (like.dim() - 1))
@@ -130,6 +144,35 @@ class BatchedTrainer:
 
         # per client: (gradients of the loss, the loss) at its own parameters and batch
         self.grad_and_loss = vmap(grad_and_value(loss))
+        if rule.name == "moon":
+            self.grad_and_loss = self._moon_grad_and_loss(model, task, cfg.algorithm)
+
+    def _moon_grad_and_loss(self, model, task, hp):
+        """MOON's loss per client (rules.Moon): the data loss plus mu times the contrastive
+        cross-entropy of [cos(z, z_glob), cos(z, z_prev)] / tau, the latter only for clients with
+        a previous model (``has_prev`` 1). Returns the gradients and the data loss alone."""
+        represent = _Represent(model)
+
+        def at(params_T, x):
+            return functional_call(represent, {"net." + n: p for n, p in zip(self.names, params_T)}, (x,))
+
+        def loss(params_T, x, y, mask, count, global_T, prev_T, has_prev):
+            z, output = at(params_T, x)
+            data_loss = (task.loss(output, y, reduction="none") * mask).sum() / count
+            z_glob, z_prev = at(global_T, x)[0].detach(), at(prev_T, x)[0].detach()
+            sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1),
+                                F.cosine_similarity(z, z_prev, dim=1)], dim=1) / hp.moon_tau
+            labels = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
+            contrast = (F.cross_entropy(sims, labels, reduction="none") * mask).sum() / count
+            return data_loss + has_prev * (hp.moon_mu * contrast), data_loss
+
+        batched = vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None, 0, 0))
+
+        def grad_and_loss(params_T, x, y, mask, count):
+            grads_T, (_, data_loss) = batched(params_T, x, y, mask, count, self._moon["global"],
+                                              self._moon_stacks["prev"], self._moon_stacks["has_prev"][0])
+            return grads_T, data_loss
+        return grad_and_loss
 
     def train_group(self, group: list[tuple[ClientContext, object, int, int, dict]]) -> None:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
@@ -148,7 +191,8 @@ class BatchedTrainer:
         for (ctx, data, seed, work, out) in group:
             if rule.needs_start_gradient(hp):
                 ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task)
-            rule.begin(self.model, ctx)
+            if rule.name != "moon":  # MOON's begin makes frozen models; here its stacks below
+                rule.begin(self.model, ctx)
         # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
         # the order of ``live``); one every client shares (FedProx's anchor: the global model)
         # stays in ``shared`` and broadcasts.
@@ -162,6 +206,15 @@ class BatchedTrainer:
                     stacks[key] = [torch.stack(views_B) for views_B in zip(*views_BT)]
         stacks["params"] = [global_P[e.offset:e.offset + e.numel].view(e.shape).expand((B,) + e.shape).clone()
                             for e in self.param_entries]
+        if rule.name == "moon":
+            # the global model (shared) and each client's previous one (its own, else the global)
+            self._moon = {"global": [global_P[e.offset:e.offset + e.numel].view(e.shape) for e in self.param_entries]}
+            prev_BP = torch.stack([ctx.state["prev_P"].to(device) if "prev_P" in ctx.state else global_P
+                                   for ctx, *_ in group])
+            stacks["prev"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
+                              for e in self.param_entries]
+            stacks["has_prev"] = [torch.tensor([float("prev_P" in ctx.state) for ctx, *_ in group], device=device)]
+            self._moon_stacks = stacks
         if tc.optimizer == "adam":
             stacks["exp_avg"] = [torch.zeros_like(p) for p in stacks["params"]]
             stacks["exp_avg_sq"] = [torch.zeros_like(p) for p in stacks["params"]]
@@ -200,23 +253,23 @@ class BatchedTrainer:
                 keep = [j for j in range(len(live)) if j not in done]
                 index = torch.tensor(keep, dtype=torch.long, device=device)
                 stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}
+                self._moon_stacks = stacks
                 live = [live[j] for j in keep]
 
         # -- the rest of each report, as train_client writes it --------------------------------
         seconds = (time.perf_counter() - t_start) / B
         for b, (ctx, data, seed, work, out) in enumerate(group):
             steps = steps_B[b]
-            rule.end(None, ctx, steps, lr_sum_B[b] / max(steps, 1), out)
+            layout.unflatten_into(out["params_P"], self.model)  # the client's trained model
+            rule.end(self.model, ctx, steps, lr_sum_B[b] / max(steps, 1), out)
             out["train_loss"] = loss_sum_B[b] / max(steps, 1)
             out["num_samples"] = torch.tensor(float(len(data)))
             out["num_steps"] = torch.tensor(float(steps))
-            if "full_grad_KP" in needs or "eff_rank_KL" in needs:
-                layout.unflatten_into(out["params_P"], self.model)
-                if "full_grad_KP" in needs:
-                    out["full_loss"] = full_batch_gradient(self.model, data, layout, out["full_grad_P"], ctx.task)
-                if "eff_rank_KL" in needs:
-                    from ..metrics.effective_rank import effective_ranks_L
-                    out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
+            if "full_grad_KP" in needs:
+                out["full_loss"] = full_batch_gradient(self.model, data, layout, out["full_grad_P"], ctx.task)
+            if "eff_rank_KL" in needs:
+                from ..metrics.effective_rank import effective_ranks_L
+                out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
             out["train_time"] = seconds
 
     @staticmethod
