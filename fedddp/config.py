@@ -64,8 +64,9 @@ class RunConfig:
                                  "exceed this many; 0: no deadline. It does not train and its client "
                                  "state is untouched.")
     parallel_clients: int = opt(1, "Clients a rank trains side by side (B) as one batched computation over "
-                                   "stacked parameters (fedddp.client.batched); 1: one after another, the "
-                                   "reference. Equal to it to float32 rounding; on CPU 1 is fastest "
+                                   "stacked parameters (fedddp.client.batched; for GPUs); 1: one after "
+                                   "another, the reference, which B > 1 equals to float32 rounding. On CPU "
+                                   "it loses for the CNN and wins for small models such as the FFNN "
                                    "(BENCHMARKS.md).")
 
 
