@@ -88,6 +88,12 @@ def test_optimizers_and_schedules_equal_sequential(tmp_path, extra):
     assert_close(tmp_path, SYNTHETIC + ["model.name=logistic", *extra])
 
 
+def test_deadline_stragglers_leave_their_group(tmp_path):
+    """A client past run.deadline_steps (the 2,199-sample one: 88 steps) does not train and
+    takes no place in its group; the others of its group train as they would sequentially."""
+    assert_close(tmp_path, SYNTHETIC + ["model.name=logistic", "run.deadline_steps=30"])
+
+
 def test_uneven_local_work_freezes_finished_clients(tmp_path):
     """A client that has done its drawn local epochs keeps its parameters and momentum while the
     rest of its group goes on (stepping it with a zero gradient would still move it through
