@@ -143,14 +143,13 @@ class BatchedTrainer:
             return (task.loss(output, y, reduction="none") * mask).sum() / count
 
         # per client: (gradients of the loss, the loss) at its own parameters and batch
-        self.grad_and_loss = vmap(grad_and_value(loss))
-        if rule.name == "moon":
-            self.grad_and_loss = self._moon_grad_and_loss(model, task, cfg.algorithm)
+        self._plain = vmap(grad_and_value(loss))
+        self._moon = self._moon_grad_and_loss(model, task, cfg.algorithm) if rule.name == "moon" else None
 
     def _moon_grad_and_loss(self, model, task, hp):
         """MOON's loss per client (rules.Moon): the data loss plus mu times the contrastive
         cross-entropy of [cos(z, z_glob), cos(z, z_prev)] / tau, the latter only for clients with
-        a previous model (``has_prev`` 1). Returns the gradients and the data loss alone."""
+        a previous model (``has_prev`` 1); (gradients, (loss, data loss)) per client."""
         represent = _Represent(model)
 
         def at(params_T, x):
@@ -166,13 +165,16 @@ class BatchedTrainer:
             contrast = (F.cross_entropy(sims, labels, reduction="none") * mask).sum() / count
             return data_loss + has_prev * (hp.moon_mu * contrast), data_loss
 
-        batched = vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None, 0, 0))
+        return vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None, 0, 0))
 
-        def grad_and_loss(params_T, x, y, mask, count):
-            grads_T, (_, data_loss) = batched(params_T, x, y, mask, count, self._moon["global"],
-                                              self._moon_stacks["prev"], self._moon_stacks["has_prev"][0])
-            return grads_T, data_loss
-        return grad_and_loss
+    def _gradients(self, params_T, stacks, shared, x, y, mask, count):
+        """Per client: the gradients of its loss at its ``params_T`` on its batch, and its data
+        loss (MOON's without the contrastive term, as rules.Moon returns it)."""
+        if self._moon is None:
+            return self._plain(params_T, x, y, mask, count)
+        grads_T, (_, data_loss) = self._moon(params_T, x, y, mask, count, shared["global"], stacks["prev"],
+                                             stacks["has_prev"][0])
+        return grads_T, data_loss
 
     def train_group(self, group: list[tuple[ClientContext, object, int, int, dict]]) -> None:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
@@ -207,14 +209,14 @@ class BatchedTrainer:
         stacks["params"] = [global_P[e.offset:e.offset + e.numel].view(e.shape).expand((B,) + e.shape).clone()
                             for e in self.param_entries]
         if rule.name == "moon":
-            # the global model (shared) and each client's previous one (its own, else the global)
-            self._moon = {"global": [global_P[e.offset:e.offset + e.numel].view(e.shape) for e in self.param_entries]}
+            # the global model (shared) and each client's previous one (its own, else the global:
+            # has_prev 0 leaves it out of the loss)
+            shared["global"] = [global_P[e.offset:e.offset + e.numel].view(e.shape) for e in self.param_entries]
             prev_BP = torch.stack([ctx.state["prev_P"].to(device) if "prev_P" in ctx.state else global_P
                                    for ctx, *_ in group])
             stacks["prev"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
                               for e in self.param_entries]
             stacks["has_prev"] = [torch.tensor([float("prev_P" in ctx.state) for ctx, *_ in group], device=device)]
-            self._moon_stacks = stacks
         if tc.optimizer == "adam":
             stacks["exp_avg"] = [torch.zeros_like(p) for p in stacks["params"]]
             stacks["exp_avg_sq"] = [torch.zeros_like(p) for p in stacks["params"]]
@@ -226,7 +228,7 @@ class BatchedTrainer:
             x, y, mask, count, lr_L = self._batches([schedules[b] for b in live], step, device)
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            grads_T, loss_L = self.grad_and_loss(stacks["params"], x, y, mask, count)
+            grads_T, loss_L = self._gradients(stacks["params"], stacks, shared, x, y, mask, count)
             loss_sum_B[live] += loss_L.detach().double()
             direction_T = self._direction(stacks, shared, grads_T, x, y, mask, count, hp)
             done = [j for j, b in enumerate(live) if steps_B[b] == step + 1]
@@ -253,7 +255,6 @@ class BatchedTrainer:
                 keep = [j for j in range(len(live)) if j not in done]
                 index = torch.tensor(keep, dtype=torch.long, device=device)
                 stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}
-                self._moon_stacks = stacks
                 live = [live[j] for j in keep]
 
         # -- the rest of each report, as train_client writes it --------------------------------
@@ -304,14 +305,14 @@ class BatchedTrainer:
         if name in ("sam", "gam", "gam_cv"):
             rho = hp.sam_rho if name == "sam" else hp.gam_rho
             shift_T = _ascent(grads_T, rho, 1e-12)
-            adv_T = self._grads_at(params_T, shift_T, x, y, mask, count)
+            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count)
             direction_T = adv_T if name == "sam" else [torch.add(g, a, alpha=hp.gam_alpha * rho)
                                                        for g, a in zip(grads_T, adv_T)]
         elif name == "smoo":
             mu_T, s_T = scratch["mu"], scratch["s"]
             shift_T = _ascent([g - m - s for g, m, s in zip(grads_T, mu_T, s_T)], hp.sam_rho, 1e-7)
             stacks["mu"] = [m + (e - s) for m, e, s in zip(mu_T, shift_T, s_T)]
-            adv_T = self._grads_at(params_T, shift_T, x, y, mask, count)
+            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count)
             direction_T = [a + hp.smoo_lambda * (p - anc) for a, p, anc in zip(adv_T, params_T, scratch["anchor"])]
         elif name == "prox":
             direction_T = [g + hp.prox_mu * (p - a) for g, p, a in zip(grads_T, params_T, scratch["anchor"])]
@@ -321,8 +322,10 @@ class BatchedTrainer:
             direction_T = [d + c for d, c in zip(direction_T, scratch["correction"])]
         return direction_T
 
-    def _grads_at(self, params_T, shift_T, x, y, mask, count):
-        return self.grad_and_loss([p + e for p, e in zip(params_T, shift_T)], x, y, mask, count)[0]
+    def _grads_at(self, stacks, shared, shift_T, x, y, mask, count):
+        """Gradients at w + shift (SAM's extra pass)."""
+        shifted_T = [p + e for p, e in zip(stacks["params"], shift_T)]
+        return self._gradients(shifted_T, stacks, shared, x, y, mask, count)[0]
 
 
 def _lr_factor(lr_L: list[float], like: torch.Tensor):
