@@ -171,6 +171,23 @@ def test_what_is_not_batched_is_a_config_error_naming_the_fix(overrides, words):
     assert "run.parallel_clients" in str(err.value)
 
 
+def test_a_model_with_batch_norm_is_refused_when_built():
+    """A BatchNorm layer in a model the name check does not know (its batch statistics would
+    take in the padding) is a config error naming the fix, not wrong statistics."""
+    from torch import nn
+    from fedddp.client import rules
+    from fedddp.flat import FlatLayout
+    from fedddp.models import Net
+    from fedddp.tasks import CLASSIFICATION
+
+    net = Net(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 2))
+    cfg = config.load(None, ["run.parallel_clients=4"])
+    for buffers in (True, False):
+        with pytest.raises(ConfigError, match="run.parallel_clients=1"):
+            batched.BatchedTrainer(net, FlatLayout(net, buffers=buffers), cfg, rules.get("plain"),
+                                   frozenset(), CLASSIFICATION)
+
+
 def test_nesterov_update_is_torch_sgd():
     """The functional SGD step against torch.optim.SGD with momentum, weight decay and Nesterov,
     for two clients stacked, over three steps."""

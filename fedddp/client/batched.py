@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from ..errors import ConfigError
 from ..flat import FlatLayout
 from . import ClientContext, full_batch_gradient, planned_steps, start_gradient
 from .optim import lr_at
@@ -135,6 +136,11 @@ class BatchedTrainer:
 
     def __init__(self, model, layout: FlatLayout, cfg, rule, needs: frozenset, task):
         self.model, self.layout, self.cfg, self.rule, self.needs, self.task = model, layout, cfg, rule, needs, task
+        if any(not e.is_param for e in layout.entries) or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                                              for m in model.modules()):
+            # the name check of ``check`` cannot see a model's modules (BatchNorm in any model)
+            raise ConfigError(f"run.parallel_clients: model.name = {cfg.model.name} has buffers (BatchNorm "
+                              "statistics), which are not batched; set run.parallel_clients=1")
         self.param_entries = [e for e in layout.entries if e.is_param]
         self.names = [e.name for e in self.param_entries]
 
