@@ -110,12 +110,14 @@ def mnist_root(tmp_path_factory):
     return root
 
 
-def test_cnn_equals_sequential(tmp_path, mnist_root):
-    """Seed 002's CNN on images, with FedER's effective ranks computed from the batched models."""
+@pytest.mark.parametrize("extra", [["algorithm.name=feder"], ["data.augment=true"]], ids=["feder", "augment"])
+def test_cnn_equals_sequential(tmp_path, mnist_root, extra):
+    """Seed 002's CNN on images: with FedER's effective ranks computed from the batched models,
+    and with augmentation, whose draws interleave with each client's shuffling."""
     assert_close(tmp_path, ["data.name=mnist", f"data.root={mnist_root}", "data.holdout_from_test=0.5",
                             "data.num_clients=6", "run.clients_per_round=5", "model.name=cnn",
                             "train.batch_size=16", "train.lr=0.05", "run.eval_every=100", "run.progress=false",
-                            "algorithm.name=feder"], parallel=3)
+                            *extra], parallel=3)
 
 
 def test_ffnn_regressor_equals_sequential(tmp_path):
