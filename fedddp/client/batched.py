@@ -12,8 +12,9 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
   same order as ``train_client`` (``randperm`` per epoch, then augmentation), so a client's
   batches hold the same samples; they are padded to S under a per-sample mask, and each
   client's loss is its own mean over its own (possibly partial) batch;
-- steps: a client that has done its ``planned_steps`` is frozen: its parameters, optimizer
-  state and rule state are kept by ``torch.where``, never stepped with a zero gradient;
+- steps: a client that has done its ``planned_steps`` leaves the stacks (its report row gets
+  its parameters), so it is never stepped again, not even with a zero gradient (which momentum
+  or weight decay would turn into a move), and the rest of its group stops paying for it;
 - learning rate per client and step (``lr_at`` on its own epoch clock);
 - optimizers as functional updates of the stacked state, written as torch's (SGD with
   momentum, weight decay and Nesterov; Adam); AdamP and RMSGD are refused (config check);
@@ -24,12 +25,13 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
   the report rows; full-batch gradients (CGW) and effective ranks (FedER) are computed per
   client by the sequential functions, after loading its trained parameters into the model.
 
-Models with BatchNorm are refused: padded samples would enter the batch statistics.
+Models with BatchNorm (or any buffer) are refused: padded samples would enter the batch
+statistics.
 
-The result equals the sequential path to float32 rounding, not bit for bit (the batched kernels
-sum in another order); tests/test_parallel_clients.py states the tolerance. The bits do depend
-on the group a client trains in, so groups are cut without regard to the world size
-(``fedddp.sampling.assign_groups``).
+The result equals the sequential path to float32 rounding, not always bit for bit (the batched
+kernels may sum in another order); tests/test_parallel_clients.py states the tolerance. The
+bits can depend on the group a client trains in, so groups are cut without regard to the world
+size (``fedddp.sampling.assign_groups``).
 """
 
 from __future__ import annotations
