@@ -94,16 +94,18 @@ class _Schedule:
         self.gen = torch.Generator().manual_seed(seed)
         self.device, self.order = device, None
 
-    def batch(self, step: int):
+    def positions(self, step: int) -> torch.Tensor:
+        """This step's sample indices (on the CPU), as ``train_client`` draws them."""
         pos = step % self.per_epoch
         if pos == 0:
-            self.order = torch.randperm(len(self.data), generator=self.gen).to(self.device)
-        idx = self.order[pos * self.batch_size:(pos + 1) * self.batch_size]
-        x, y = self.data.x[idx], self.data.y[idx]
-        if self.augment:
-            from ..data.vision import augment_batch
-            x = augment_batch(x, self.gen)
-        return x, y
+            self.order = torch.randperm(len(self.data), generator=self.gen)
+        return self.order[pos * self.batch_size:(pos + 1) * self.batch_size]
+
+    def augmented_batch(self, step: int):
+        """This step's batch, augmented by draws that follow the step's permutation."""
+        from ..data.vision import augment_batch
+        idx = self.positions(step).to(self.device)
+        return augment_batch(self.data.x[idx], self.gen), self.data.y[idx]
 
     def lr(self, step: int) -> float:
         return lr_at(self.tc, self.round_idx, self.epochs_before + step // self.per_epoch)
@@ -195,6 +197,14 @@ class BatchedTrainer:
         schedules = [_Schedule(ctx.client_id, data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
                      for ctx, data, seed, work, out in group]
         steps_B = [s.steps for s in schedules]
+        # the group's samples in one tensor, for one gather a step (augmentation draws per client)
+        group_x = group_y = None
+        if not cfg.data.augment:
+            group_x = torch.cat([data.x for _, data, *_ in group])
+            group_y = torch.cat([data.y for _, data, *_ in group])
+        offsets_B = [0]
+        for _, data, *_ in group[:-1]:
+            offsets_B.append(offsets_B[-1] + len(data))
 
         # rule hooks per client, as train_client calls them (model holds global_P)
         layout.unflatten_into(global_P, self.model)
@@ -233,7 +243,8 @@ class BatchedTrainer:
 
         live = list(range(B))
         for step in range(max(steps_B)):
-            x, y, mask, count, lr_L = self._batches([schedules[b] for b in live], step, device)
+            x, y, mask, count, lr_L = self._batches([schedules[b] for b in live], step, device, group_x, group_y,
+                                                    [offsets_B[b] for b in live])
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
             grads_T, loss_L = self._gradients(stacks["params"], stacks, shared, x, y, mask, count)
@@ -282,19 +293,31 @@ class BatchedTrainer:
             out["train_time"] = seconds
 
     @staticmethod
-    def _batches(schedules: list[_Schedule], step: int, device):
+    def _batches(schedules: list[_Schedule], step: int, device, group_x, group_y, offsets: list[int]):
         """This step's batches of the L clients, padded to the largest: x [L, S, ...], y [L, S],
-        mask [L, S] (1 on a client's own samples), count [L] (its batch size), and the rates."""
-        batches = [s.batch(step) for s in schedules]
-        width = max(len(y) for _, y in batches)
-        x0, y0 = batches[0]
-        x = torch.zeros((len(batches), width) + tuple(x0.shape[1:]), dtype=x0.dtype, device=device)
-        y = torch.zeros((len(batches), width), dtype=y0.dtype, device=device)
-        mask = torch.zeros(len(batches), width, device=device)
-        for j, (xj, yj) in enumerate(batches):
-            x[j, :len(yj)], y[j, :len(yj)], mask[j, :len(yj)] = xj, yj, 1.0
-        count = mask.sum(1)
-        return x, y, mask, count, [s.lr(step) for s in schedules]
+        mask [L, S] (1 on a client's own samples), count [L] (its batch size), and the rates.
+        Without augmentation one gather from the group's samples (``group_x``, client j's from
+        row ``offsets[j]``), so the number of kernels does not grow with L; padding takes the
+        group's first sample, which the mask leaves out."""
+        if group_x is None:
+            batches = [s.augmented_batch(step) for s in schedules]
+            width = max(len(y) for _, y in batches)
+            x0, y0 = batches[0]
+            x = torch.zeros((len(batches), width) + tuple(x0.shape[1:]), dtype=x0.dtype, device=device)
+            y = torch.zeros((len(batches), width), dtype=y0.dtype, device=device)
+            mask = torch.zeros(len(batches), width, device=device)
+            for j, (xj, yj) in enumerate(batches):
+                x[j, :len(yj)], y[j, :len(yj)], mask[j, :len(yj)] = xj, yj, 1.0
+        else:
+            positions = [s.positions(step) + offset for s, offset in zip(schedules, offsets)]
+            width = max(len(p) for p in positions)
+            index = torch.zeros(len(positions), width, dtype=torch.long)
+            mask = torch.zeros(len(positions), width)
+            for j, p in enumerate(positions):
+                index[j, :len(p)], mask[j, :len(p)] = p, 1.0
+            index, mask = index.to(device), mask.to(device)
+            x, y = group_x[index], group_y[index]
+        return x, y, mask, mask.sum(1), [s.lr(step) for s in schedules]
 
     def _flat_BP(self, stacks_T, rows: list[int]) -> torch.Tensor:
         """[len(rows), P] flat vectors of the given rows of per-tensor stacks: parameters in layout
