@@ -277,7 +277,7 @@ class BatchedTrainer:
                 live = [live[j] for j in keep]
 
         # -- the rest of each report, as train_client writes it --------------------------------
-        seconds = (time.perf_counter() - t_start) / B
+        seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
         for b, (ctx, data, seed, work, out) in enumerate(group):
             steps = steps_B[b]
             layout.unflatten_into(out["params_P"], self.model)  # the client's trained model
