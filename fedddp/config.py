@@ -71,6 +71,11 @@ class RunConfig:
     deadline_steps: int = opt(0, "Drop (as a straggler) every sampled client whose local steps this round "
                                  "exceed this many; 0: no deadline. It does not train and its client "
                                  "state is untouched.")
+    parallel_clients: int = opt(1, "Clients a rank trains side by side (B) as one batched computation over "
+                                   "stacked parameters (fedddp.client.batched; for GPUs); 1: one after "
+                                   "another, the reference, which B > 1 equals to float32 rounding. On CPU "
+                                   "it loses for the CNN and wins for small models such as the FFNN "
+                                   "(BENCHMARKS.md).")
 
 
 # Keys that may differ between a checkpoint and the run that resumes from it: they do not decide
@@ -428,6 +433,8 @@ def validate(cfg: Config) -> list[str]:
     errors.extend(check_algorithm(cfg))
     from .participation import check as check_participation
     errors.extend(check_participation(cfg))
+    from .client.batched import check as check_parallel_clients
+    errors.extend(check_parallel_clients(cfg))
     return errors
 
 

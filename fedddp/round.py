@@ -25,7 +25,7 @@ from .data.build import BUILT_WHOLE, LazyClients
 from .errors import ConfigError, DataError, DivergenceError, UserError
 from .flat import FlatLayout
 from .models import build_model
-from .sampling import assign_clients, client_seed, expected_cost, layout_rows, owned_clients, sample_clients
+from .sampling import assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, sample_clients
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
 VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"),
@@ -252,6 +252,9 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         rc.out_dir, "client_state", f"rank{comm.rank}"))
     num_layers = len(layout.conv_entries())
     static = _static_stacks(needs, cfg, layout, device)
+    if rc.parallel_clients > 1:
+        from .client.batched import BatchedTrainer
+        batched = BatchedTrainer(model, layout, cfg, rule, needs, task)
     report = ReportLayout(needs, layout.numel, num_layers)
 
     start_round, last_ckpt = 1, None
@@ -294,7 +297,11 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         sampled = sample_clients(cfg.data.num_clients, num_sampled, rc.seed, round_idx)
         # clients that drop out neither train nor take a row; also drawn identically on every rank
         reporting = [c for c in sampled if not participation.drops_out(cfg, round_idx, c)]
-        per_rank = assign_clients(reporting, cost_K.__getitem__, comm.world_size, balanced)
+        if rc.parallel_clients > 1:  # groups trained side by side, cut whatever the world size
+            per_rank, groups_R = assign_groups(reporting, cost_K.__getitem__, comm.world_size, balanced,
+                                               rc.parallel_clients)
+        else:
+            per_rank = assign_clients(reporting, cost_K.__getitem__, comm.world_size, balanced)
         mine = per_rank[comm.rank]
         rows_per_rank, row_order = layout_rows(reporting, comm.world_size, per_rank)
         # Report buffers live across rounds (fresh ones cost page faults every round); padding
@@ -306,16 +313,30 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         rows_MF = rows_buffer[:rows_per_rank]
 
         # -- local training of this rank's sampled clients, one after another ----------------
+        # (run.parallel_clients > 1: a group at a time, side by side; stragglers as below)
         server_view = {k: state[k] for k in strategy.client_visible}
-        for i, cid in enumerate(mine):
+        row_of = {cid: i for i, cid in enumerate(mine)}
+        for group in groups_R[comm.rank] if rc.parallel_clients > 1 else ():
+            trained = []
+            for cid in group:
+                i, work = row_of[cid], participation.local_work(cfg, round_idx, cid)
+                steps = planned_steps(len(data.train[cid]), cfg.train, work)
+                if rc.deadline_steps and steps > rc.deadline_steps:
+                    _straggler_row(rows_MF[i], report, steps)
+                    continue
+                ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
+                                    client_states.client(cid) if not balanced else {}, task=task)
+                trained.append((i, (ctx, data.train[cid], client_seed(rc.seed, round_idx, cid), work,
+                                    report.views(rows_MF[i]))))
+            if trained:
+                batched.train_group([client for _, client in trained])
+            for i, (*_, out) in trained:
+                report.pack_scalars(rows_MF[i], out)
+        for i, cid in enumerate(mine if rc.parallel_clients == 1 else ()):
             work = participation.local_work(cfg, round_idx, cid)
             steps = planned_steps(len(data.train[cid]), cfg.train, work)
             if rc.deadline_steps and steps > rc.deadline_steps:
-                # a straggler does not train: only its step count travels, and rank 0 leaves its
-                # row out (one filter on rank 0 for the deadline, beside the drawn dropouts)
-                rows_MF[i].fill_(math.nan)
-                rows_MF[i, report.slices["num_steps_K"]] = steps
-                rows_MF[i, report.slices["train_time_K"]] = 0.0
+                _straggler_row(rows_MF[i], report, steps)
                 continue
             layout.unflatten_into(global_P, model)
             ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
@@ -415,6 +436,14 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     comm.barrier()
     client_states.close()
     return {"last_round": last_round, "global_P": global_P, "state_dict": final}
+
+
+def _straggler_row(row_F: torch.Tensor, report: ReportLayout, steps: int) -> None:
+    """A straggler does not train: only its step count travels, and rank 0 leaves its row out
+    (one filter on rank 0 for the deadline, beside the drawn dropouts)."""
+    row_F.fill_(math.nan)
+    row_F[report.slices["num_steps_K"]] = steps
+    row_F[report.slices["train_time_K"]] = 0.0
 
 
 def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:

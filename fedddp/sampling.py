@@ -71,6 +71,32 @@ def assign_clients(sampled: list[int], cost_of, world_size: int, balanced: bool)
     return [sorted(p) for p in per_rank]
 
 
+def assign_groups(sampled: list[int], cost_of, world_size: int, balanced: bool,
+                  size: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """``assign_clients`` for clients trained side by side in groups of up to ``size``
+    (run.parallel_clients): per rank, its clients in client-id order and its groups.
+
+    Groups are cut from clients ordered by cost, longest first (ties by client id), so a group
+    holds clients of similar work and few steps run with part of the group done. balanced: the
+    groups are cut from all sampled clients whatever the world size, and whole groups (cost:
+    the sum of their clients') are assigned as ``assign_clients`` assigns clients, so every
+    client trains in the same group, and to the same bits, on any number of ranks. Otherwise
+    (per-client state on the owner rank) each rank cuts its own clients into groups, which then
+    depend on the world size."""
+    def cut(clients):
+        ordered = sorted(clients, key=lambda c: (-cost_of(c), c))
+        return [sorted(ordered[i:i + size]) for i in range(0, len(ordered), size)]
+
+    if not balanced:
+        per_rank = assign_clients(sampled, cost_of, world_size, balanced)
+        return per_rank, [cut(p) for p in per_rank]
+    groups = cut(sampled)
+    per_rank_groups = assign_clients(list(range(len(groups))), lambda g: sum(map(cost_of, groups[g])),
+                                     world_size, balanced)
+    groups_R = [[groups[g] for g in gs] for gs in per_rank_groups]
+    return [sorted(c for g in gs for c in g) for gs in groups_R], groups_R
+
+
 def layout_rows(sampled: list[int], world_size: int,
                 per_rank: list[list[int]] | None = None) -> tuple[int, list[int]]:
     """Rows per rank M (ranks with fewer sampled clients pad) and, for the gathered

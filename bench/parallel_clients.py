@@ -1,0 +1,169 @@
+"""Client steps per second: one client after another (run.parallel_clients = 1) against K
+clients side by side (run.parallel_clients = K), with peak memory.
+
+Runs fedddp's own code on random data of the models' shapes: ``train_client`` for each client
+in turn, and ``BatchedTrainer.train_group`` for all K at once; plain SGD, batch 32, every
+client --steps full batches. Seed 002's CNN on 1x28x28 images, seed 004's FFNN on 14 features,
+and ResNet-18 (CIFAR stem, 3x32x32; refused side by side: its BatchNorm). On CUDA when present
+(--device), else on CPU with one thread. The sequential rate does not depend on K; it is
+measured over min(K, --seq-clients) clients. Each measurement runs in a fresh process after
+one untimed warm-up call; peak memory is the measurement's own: on CUDA
+torch.cuda.max_memory_allocated above what was allocated before it, on CPU the process's peak
+resident memory above its resident memory before it.
+
+    python bench/parallel_clients.py [--device cpu|cuda] [--clients 1,10,100,300] [--models cnn,ffnn,resnet18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = {"cnn": ((1, 28, 28), 10), "ffnn": ((14,), 1), "resnet18": ((3, 32, 32), 10)}
+BATCH = 32
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure(model_name: str, num_clients: int, mode: str, steps: int, device_name: str, seq_clients: int) -> dict:
+    """One measurement in this process: client steps per second and peak memory (MiB)."""
+    import torch
+
+    sys.path.insert(0, REPO)
+    from fedddp import config, tasks
+    from fedddp.client import ClientContext, train_client
+    from fedddp.client import rules
+    from fedddp.client.batched import BatchedTrainer
+    from fedddp.data import ClientData
+    from fedddp.flat import FlatLayout
+    from fedddp import models
+
+    torch.set_num_threads(1)
+    device = torch.device(device_name)
+    shape, classes = SHAPES[model_name]
+    data_name = "cmapss" if model_name == "ffnn" else "mnist"
+    cfg = config.load(None, [f"model.name={model_name}", f"data.name={data_name}", f"train.batch_size={BATCH}",
+                             f"train.local_steps={steps}", "train.lr=0.01", "data.num_clients=1000",
+                             f"run.parallel_clients={num_clients if mode == 'batched' else 1}"])
+    task = tasks.get("regression" if model_name == "ffnn" else "classification")
+    torch.manual_seed(0)
+    model = getattr(models, model_name)(shape, classes).to(device)  # the built-in model itself
+    layout = FlatLayout(model)
+    global_P = layout.flatten(model).clone()
+    rule, needs = rules.get("plain"), frozenset({"params_KP"})
+    count = num_clients if mode == "batched" else min(num_clients, seq_clients)
+    gen = torch.Generator().manual_seed(1)
+    clients = []
+    for _ in range(count):
+        x = torch.randn((BATCH * steps,) + shape, generator=gen).to(device)
+        y = (torch.rand(BATCH * steps, generator=gen) if model_name == "ffnn" else
+             torch.randint(0, classes, (BATCH * steps,), generator=gen)).to(device)
+        clients.append(ClientData(x, y))
+    rows_KP = torch.empty(count, layout.numel, device=device)
+
+    def context(k):
+        return ClientContext(k, 1, global_P, layout, cfg.algorithm, {}, {}, task=task)
+
+    if mode == "batched":
+        trainer = BatchedTrainer(model, layout, cfg, rule, needs, task)
+
+        def once(clients_now):
+            trainer.train_group([(context(k), d, 1000 + k, 0, {"params_P": rows_KP[k]})
+                                 for k, d in enumerate(clients_now)])
+    else:
+        def once(clients_now):
+            for k, d in enumerate(clients_now):
+                layout.unflatten_into(global_P, model)
+                train_client(model, context(k), d, cfg, rule, needs, 1000 + k, {"params_P": rows_KP[k]})
+
+    once(clients[:min(2, count)])  # warm-up: first allocations, kernel choice
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = rss_mib()
+    start = time.perf_counter()
+    once(clients)
+    sync()
+    seconds = time.perf_counter() - start
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    return {"steps_per_s": count * steps / seconds, "peak_mib": max(peak, 0.0), "clients_timed": count}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--clients", default="1,10,100,300")
+    parser.add_argument("--models", default=None, help="default: cnn,ffnn,resnet18 on CUDA, cnn,ffnn on CPU "
+                                                         "(ResNet-18 takes seconds a step there)")
+    parser.add_argument("--steps", type=int, default=8, help="local steps (full batches of 32) per client")
+    parser.add_argument("--seq-clients", type=int, default=10, help="clients timed one after another")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # model,K,mode: one measurement, JSON out
+    args = parser.parse_args()
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.models is None:
+        args.models = "cnn,ffnn,resnet18" if args.device == "cuda" else "cnn,ffnn"
+    if args.one:
+        model_name, k, mode = args.one.split(",")
+        print(json.dumps(measure(model_name, int(k), mode, args.steps, args.device, args.seq_clients)))
+        return
+    device_text = args.device
+    if args.device == "cuda":
+        import torch
+        device_text = torch.cuda.get_device_name()
+    print(f"device {device_text}; batch {BATCH}, {args.steps} local steps per client, plain SGD; "
+          f"CPU: 1 thread; load average before: {os.getloadavg()[0]:.1f}\n")
+    print("| model | clients K | sequential steps/s | side by side steps/s | speed-up | peak MiB sequential "
+          "| peak MiB side by side |")
+    print("|---|---|---|---|---|---|---|")
+    for model_name in args.models.split(","):
+        for k in [int(c) for c in args.clients.split(",")]:
+            results = {}
+            for mode in ("sequential", "batched"):
+                if mode == "batched" and model_name == "resnet18":
+                    results[mode] = None  # refused: BatchNorm (fedddp.client.batched.check)
+                    continue
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{model_name},{k},{mode}",
+                                       "--device", args.device, "--steps", str(args.steps),
+                                       "--seq-clients", str(args.seq_clients)],
+                                      capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                if proc.returncode != 0:
+                    last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+                    results[mode] = {"error": last[:80]}
+                else:
+                    results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+            seq, bat = results["sequential"], results["batched"]
+
+            def rate(r):
+                if r is None:
+                    return "not batched (BatchNorm)"
+                return r.get("error") or f"{r['steps_per_s']:.3g}"
+
+            def mem(r):
+                return "-" if r is None or "error" in r else f"{r['peak_mib']:.1f}"
+
+            speedup = (f"{bat['steps_per_s'] / seq['steps_per_s']:.2f}x"
+                       if bat and "error" not in bat and "error" not in seq else "-")
+            print(f"| {model_name} | {k} | {rate(seq)} | {rate(bat)} | {speedup} | {mem(seq)} | {mem(bat)} |",
+                  flush=True)
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

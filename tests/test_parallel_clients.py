@@ -1,0 +1,212 @@
+"""run.parallel_clients: clients trained side by side (fedddp.client.batched) against the
+sequential reference (B = 1).
+
+Tolerance: the batched kernels sum in another order than the per-client ones, so the two paths
+agree to float32 rounding, not bit for bit. After 3 rounds the final models differ by at most
+TOL times the largest weight (measured: at most about 1e-6 of it for every case here; a wrong
+batch, learning rate, mask or optimizer state gives differences of 1e-3 and more).
+Legend: B clients side by side, P flat elements.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedddp import config
+from fedddp.client import batched
+from fedddp.comm import Comm
+from fedddp.env import ProcessEnv
+from fedddp.errors import ConfigError
+from fedddp.round import run
+from fedddp.sampling import assign_groups
+
+from fedrun import assert_same_state, final_state, make_mnist_like, run_fedddp
+from test_data_cmapss import make_cmapss
+
+SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
+TOL = 2e-5
+# 8 synthetic clients of unequal sizes (55 to 2,199 samples, power law): with batch 50 every
+# one ends an epoch on a partial batch, and their step counts differ (2 to 44 per epoch), so
+# clients of a group finish at different steps.
+SYNTHETIC = ["data.num_clients=8", "run.clients_per_round=6", "train.batch_size=50", "train.lr=0.05",
+             "run.eval_every=100", "run.progress=false", "train.local_epochs=2"]
+
+
+def final_P(tmp_path, parallel: int, overrides: list[str], rounds: int = 3) -> torch.Tensor:
+    out = tmp_path / f"B{parallel}"
+    cfg = config.load(None, overrides + [f"run.rounds={rounds}", f"run.out_dir={out}", "run.overwrite=true",
+                                         f"run.parallel_clients={parallel}"])
+    return run(cfg, Comm(SINGLE, "cpu"))["global_P"]
+
+
+def assert_close(tmp_path, overrides: list[str], parallel: int = 4) -> torch.Tensor:
+    sequential_P = final_P(tmp_path, 1, overrides)
+    batched_P = final_P(tmp_path, parallel, overrides)
+    scale = sequential_P.abs().max().item()
+    diff = (sequential_P - batched_P).abs().max().item()
+    print(f"max |diff| {diff / scale:.2e} of the weights' scale")
+    assert diff <= TOL * scale, f"max |diff| {diff:.3g}, {diff / scale:.3g} of the weights' scale"
+    return sequential_P
+
+
+def test_the_comparison_can_fail(tmp_path):
+    """The tolerance is far below what training changes: one round more moves the model by more
+    than 100 times it, so a batched path that lost or repeated steps would not pass."""
+    overrides = SYNTHETIC + ["model.name=logistic"]
+    three_P = assert_close(tmp_path, overrides)
+    two_P = final_P(tmp_path, 1, overrides, rounds=2)
+    assert (three_P - two_P).abs().max().item() > 100 * TOL * three_P.abs().max().item()
+
+
+RULES = [("fedavg", []), ("fedprox", ["algorithm.prox_mu=0.5"]), ("scaffold", []),
+         ("scaffold", ["algorithm.scaffold_control=I"]), ("scaffold", ["run.client_state=mmap"]),
+         ("fednova", ["train.momentum=0.5"]),
+         ("moon", ["algorithm.moon_proj_dim=8"]), ("moon", ["algorithm.moon_proj_dim=0"]),
+         ("fedsam", []), ("fedgam", ["algorithm.gam_rho=0.1"]), ("fedgam_cv", ["algorithm.gam_rho=0.1"]),
+         ("fedsmoo", []), ("fedgma", []), ("cgw", [])]
+
+
+@pytest.mark.parametrize("name,extra", RULES, ids=[" ".join([n] + e) for n, e in RULES])
+def test_every_batched_rule_equals_sequential(tmp_path, name, extra):
+    """Each local rule's batched direction and state (SCAFFOLD's c_k, FedSMOO's duals, MOON's
+    previous model and its contrastive term from round 2 on, with and without a projection head), the
+    last-step gradients of FedGMA, FedNova's step counts and CGW's full-batch gradients, on an
+    MLP with clients of unequal sizes and partial batches."""
+    assert_close(tmp_path, SYNTHETIC + ["model.name=mlp", "model.hidden=16", f"algorithm.name={name}", *extra])
+
+
+OPTIMIZERS = [["train.optimizer=sgd"], ["train.optimizer=sgd", "train.momentum=0.9", "train.weight_decay=0.01"],
+              ["train.optimizer=adam", "train.lr=0.01", "train.weight_decay=0.01"],
+              ["train.lr_schedule=steplr", "train.lr_schedule_unit=epoch", "train.lr_step_size=1",
+               "train.momentum=0.5"]]
+
+
+@pytest.mark.parametrize("extra", OPTIMIZERS, ids=[" ".join(e) for e in OPTIMIZERS])
+def test_optimizers_and_schedules_equal_sequential(tmp_path, extra):
+    """SGD (momentum, weight decay), Adam, and a learning rate that changes between local epochs:
+    each client's own epoch clock, so clients of a group step at different rates."""
+    assert_close(tmp_path, SYNTHETIC + ["model.name=logistic", *extra])
+
+
+def test_deadline_stragglers_leave_their_group(tmp_path):
+    """A client past run.deadline_steps (the 2,199-sample one: 88 steps) does not train and
+    takes no place in its group; the others of its group train as they would sequentially."""
+    assert_close(tmp_path, SYNTHETIC + ["model.name=logistic", "run.deadline_steps=30"])
+
+
+def test_uneven_local_work_freezes_finished_clients(tmp_path):
+    """A client that has done its drawn local epochs keeps its parameters and momentum while the
+    rest of its group goes on (stepping it with a zero gradient would still move it through
+    momentum and weight decay)."""
+    assert_close(tmp_path, SYNTHETIC + ["model.name=logistic", "train.local_epochs=3", "train.local_work_min=1",
+                                        "train.momentum=0.9", "train.weight_decay=0.05"])
+
+
+@pytest.fixture(scope="module")
+def mnist_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mnist")
+    make_mnist_like(str(root), num=400)
+    return root
+
+
+@pytest.mark.parametrize("extra", [["algorithm.name=feder"], ["data.augment=true"]], ids=["feder", "augment"])
+def test_cnn_equals_sequential(tmp_path, mnist_root, extra):
+    """Seed 002's CNN on images: with FedER's effective ranks computed from the batched models,
+    and with augmentation, whose draws interleave with each client's shuffling."""
+    assert_close(tmp_path, ["data.name=mnist", f"data.root={mnist_root}", "data.holdout_from_test=0.5",
+                            "data.num_clients=6", "run.clients_per_round=5", "model.name=cnn",
+                            "train.batch_size=16", "train.lr=0.05", "run.eval_every=100", "run.progress=false",
+                            *extra], parallel=3)
+
+
+def test_ffnn_regressor_equals_sequential(tmp_path):
+    make_cmapss(tmp_path)
+    assert_close(tmp_path, ["data.name=cmapss", f"data.root={tmp_path}", "data.num_clients=4",
+                            "run.clients_per_round=4", "model.name=ffnn", "train.batch_size=16",
+                            "train.lr=0.1", "run.eval_every=100", "run.progress=false"])
+
+
+def test_resume_continues_exactly_side_by_side(tmp_path):
+    """Nothing of the batched path outlives a round (stacks and optimizer states are per round),
+    so stopping after round 2 and resuming ends with the uninterrupted run's model, bit for bit;
+    SCAFFOLD's c_k comes back from the checkpoint."""
+    overrides = SYNTHETIC + ["model.name=logistic", "algorithm.name=scaffold", "run.ckpt_every=1"]
+    whole_P = final_P(tmp_path / "whole", 4, overrides)
+    final_P(tmp_path / "parts", 4, overrides + ["run.stop_after=2"])
+    cfg = config.load(None, overrides + ["run.rounds=3", f"run.out_dir={tmp_path / 'parts' / 'B4'}",
+                                         "run.resume=true", "run.parallel_clients=4"])
+    assert torch.equal(run(cfg, Comm(SINGLE, "cpu"))["global_P"], whole_P)
+
+
+def test_groups_do_not_depend_on_the_world_size():
+    """The bits of a batched client depend on its group, so the groups must be the same for any
+    number of ranks; only their assignment to ranks may change."""
+    sampled, cost = [1, 3, 4, 7, 8, 9, 12, 15, 20, 21], {c: 10 + (c * 7) % 13 for c in range(30)}
+    # cut longest first, ties by id: 9 (21), 7 (20), 20 (20) | 3 (18), 1 (17), 12 (16) | 8, 21, 4 | 15
+    expected = [(1, 3, 12), (4, 8, 21), (7, 9, 20), (15,)]
+    for world_size in (1, 2, 3, 4):
+        per_rank, groups_R = assign_groups(sampled, cost.__getitem__, world_size, True, 3)
+        assert sorted(tuple(g) for gs in groups_R for g in gs) == expected
+        assert sorted(c for p in per_rank for c in p) == sampled
+        assert all(p == sorted(p) for p in per_rank)
+
+
+def test_world_size_invariance_bitwise_for_fixed_b(tmp_path):
+    """1 and 2 gloo ranks give the same final.pt bit for bit at parallel_clients = 3."""
+    args = ["model.name=mlp", "model.hidden=16", "run.rounds=2", "run.parallel_clients=3", "data.num_clients=12",
+            "run.clients_per_round=6", "train.batch_size=50", "train.local_work_min=1", "train.local_epochs=2"]
+    run_fedddp(args + [f"run.out_dir={tmp_path / 'one'}"])
+    run_fedddp(args + [f"run.out_dir={tmp_path / 'two'}"], nproc=2)
+    assert_same_state(final_state(tmp_path / "one"), final_state(tmp_path / "two"))
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["train.optimizer=rmsgd"], "train.optimizer = rmsgd is not batched"),
+    (["train.optimizer=adamp"], "train.optimizer = adamp is not batched"),
+    (["model.name=resnet18", "data.name=cifar10"], "resnet18 has BatchNorm"),
+    (["run.parallel_clients=0"], "must be >= 1")])
+def test_what_is_not_batched_is_a_config_error_naming_the_fix(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        config.load(None, ["run.parallel_clients=4"] + overrides)
+    assert words in str(err.value)
+    assert "run.parallel_clients" in str(err.value)
+
+
+def test_a_model_with_batch_norm_is_refused_when_built():
+    """A BatchNorm layer in a model the name check does not know (its batch statistics would
+    take in the padding) is a config error naming the fix, not wrong statistics."""
+    from torch import nn
+    from fedddp.client import rules
+    from fedddp.flat import FlatLayout
+    from fedddp.models import Net
+    from fedddp.tasks import CLASSIFICATION
+
+    net = Net(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 2))
+    cfg = config.load(None, ["run.parallel_clients=4"])
+    for buffers in (True, False):
+        with pytest.raises(ConfigError, match="run.parallel_clients=1"):
+            batched.BatchedTrainer(net, FlatLayout(net, buffers=buffers), cfg, rules.get("plain"),
+                                   frozenset(), CLASSIFICATION)
+
+
+def test_nesterov_update_is_torch_sgd():
+    """The functional SGD step against torch.optim.SGD with momentum, weight decay and Nesterov,
+    for two clients stacked, over three steps."""
+    torch.manual_seed(0)
+    w_B2 = torch.randn(2, 5)
+    grads = [torch.randn(2, 5) for _ in range(3)]
+
+    class Tc:
+        momentum, weight_decay, nesterov = 0.9, 0.01, True
+
+    params_T, momentum_T = [w_B2.clone()], None
+    for g in grads:
+        params_T, momentum_T = batched._sgd(params_T, [g], momentum_T, Tc, [0.1, 0.1])
+    for b in range(2):
+        p = w_B2[b].clone().requires_grad_(True)
+        opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)
+        for g in grads:
+            p.grad = g[b].clone()
+            opt.step()
+        torch.testing.assert_close(params_T[0][b], p.detach(), rtol=0, atol=1e-6)
