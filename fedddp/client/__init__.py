@@ -85,7 +85,12 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
         if cfg.data.augment:
             from ..data.vision import augment_batch
             x = augment_batch(x, gen)
-        optimizer.zero_grad(set_to_none=False)
+        # optimizer.zero_grad(set_to_none=False) as one kernel, not one per parameter (on a GPU
+        # the CNN's step is bound by kernel launches); grads keep existing, so every step adds
+        # its gradient to zeros exactly as before
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_zero_(grads)
         loss = rule.gradient(model, x, y, ctx)
         loss_sum += loss.detach()
         if step == total_steps - 1 and "last_grad_KP" in needs:
