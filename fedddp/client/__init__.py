@@ -70,7 +70,9 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(tc, params, lr_at(tc, ctx.round_idx, epochs_before))
     rule.begin(model, ctx)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # each step's loss is copied into a buffer (one op; a running device sum would be a cast and an
+    # add per step) and summed on the host in step order, in float64 as the device would
+    losses_S = torch.empty(total_steps, dtype=torch.float64, device=device)
     lr_sum = 0.0  # the rule's end hook gets the mean learning rate of the steps taken (SCAFFOLD)
     order = None
     for step in range(total_steps):
@@ -85,20 +87,21 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
         if cfg.data.augment:
             from ..data.vision import augment_batch
             x = augment_batch(x, gen)
-        # optimizer.zero_grad(set_to_none=False) as one kernel, not one per parameter (on a GPU
-        # the CNN's step is bound by kernel launches); grads keep existing, so every step adds
-        # its gradient to zeros exactly as before
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_zero_(grads)
+        # unset, not zeroed: backward then hands its gradients over instead of adding them to
+        # zeros, one kernel per parameter fewer (a small model's GPU step is bound by launches);
+        # rules.backward gives the bits of that sum (fedddp/client/rules.py)
+        optimizer.zero_grad(set_to_none=True)
         loss = rule.gradient(model, x, y, ctx)
-        loss_sum += loss.detach()
+        losses_S[step] = loss.detach()
         if step == total_steps - 1 and "last_grad_KP" in needs:
             ctx.layout.flatten_grads(model, out=out["last_grad_P"])
         lr_sum += optimizer.param_groups[0]["lr"]
         optimizer.step()
     ctx.layout.flatten(model, out=out["params_P"])
     rule.end(model, ctx, total_steps, lr_sum / max(total_steps, 1), out)
+    loss_sum = 0.0
+    for loss_value in losses_S.tolist():
+        loss_sum += loss_value
     out["train_loss"] = loss_sum / max(total_steps, 1)
     out["num_samples"] = torch.tensor(float(n))
     out["num_steps"] = torch.tensor(float(total_steps))
