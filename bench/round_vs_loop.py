@@ -158,8 +158,11 @@ def ops_per_step(cfg, clients: list, device: torch.device) -> tuple[dict, dict, 
         out["train_time"] = 0.0
         report.pack_scalars(row_F, out)
 
+    state = {k: v.to(device) for k, v in layout.state_dict(global_P).items()}
+    average = {k: torch.zeros_like(v) for k, v in state.items()}
+
     def loop_client():
-        model.load_state_dict(layout.state_dict(global_P))
+        model.load_state_dict(state)
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
         order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1)).to(device)
         for pos in range(0, len(y), cfg.train.batch_size):
@@ -167,6 +170,8 @@ def ops_per_step(cfg, clients: list, device: torch.device) -> tuple[dict, dict, 
             optimizer.zero_grad()
             F.cross_entropy(model(x[idx]), y[idx]).backward()
             optimizer.step()
+        for k, v in model.state_dict().items():
+            average[k].add_(v, alpha=0.1)
 
     counts = []
     for client in (fedddp_client, loop_client):
