@@ -102,7 +102,7 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     loss_sum = 0.0
     for loss_value in torch.stack(losses).double().tolist() if losses else ():
         loss_sum += loss_value
-    out["train_loss"] = loss_sum / max(total_steps, 1)
+    out["train_loss"] = torch.tensor(loss_sum / max(total_steps, 1), dtype=torch.float64)
     out["num_samples"] = torch.tensor(float(n))
     out["num_steps"] = torch.tensor(float(total_steps))
     if "full_grad_KP" in needs:
