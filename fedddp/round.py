@@ -40,9 +40,20 @@ SCALAR_FIELDS = (("num_samples_K", "num_samples"), ("train_loss_K", "train_loss"
 ALWAYS_PACKED = strategies.ALWAYS | {"train_time_K", "num_steps_K"}
 
 
+# Every vector field starts at a multiple of ALIGN floats and a row is a multiple of ALIGN floats
+# wide, so every row of every [K, P] stack starts on 64 bytes: the fused Triton kernels of the server
+# rules (strategies/triton_kernels.py) then take 4-float vector loads. Padding columns are never read.
+ALIGN = 16
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
 class ReportLayout:
     """Packs a client's report into one float32 row, so a round needs a single gather:
-    [params P | vector fields P each | scalars | eff_rank L]."""
+    [params P | vector fields P each | scalars | eff_rank L], each vector field and the row's
+    width rounded up to ALIGN floats."""
 
     def __init__(self, needs: frozenset, numel: int, num_layers: int):
         self.slices: dict[str, slice] = {}
@@ -50,7 +61,8 @@ class ReportLayout:
         for stack, key in (("params_KP", "params_P"),) + VECTOR_FIELDS:
             if stack in needs:
                 self.slices[stack] = slice(offset, offset + numel)
-                offset += numel
+                offset = _aligned(offset + numel)
+        scalars_start = offset
         for stack, key in SCALAR_FIELDS:
             if stack in needs or stack in ALWAYS_PACKED:
                 self.slices[stack] = slice(offset, offset + 1)
@@ -58,7 +70,9 @@ class ReportLayout:
         if "eff_rank_KL" in needs:
             self.slices["eff_rank_KL"] = slice(offset, offset + num_layers)
             offset += num_layers
-        self.width = offset
+        # the scalars and eff_rank_L are contiguous: a client's are packed with one copy
+        self.scalars = slice(scalars_start, offset)
+        self.width = _aligned(offset)
         self.keys = {stack: key for stack, key in (("params_KP", "params_P"),) + VECTOR_FIELDS + SCALAR_FIELDS}
         self.keys["eff_rank_KL"] = "eff_rank_L"
 
@@ -67,9 +81,11 @@ class ReportLayout:
         return {self.keys[s]: row_F[sl] for s, sl in self.slices.items() if s.endswith("_KP")}
 
     def pack_scalars(self, row_F: torch.Tensor, report: dict) -> None:
-        for stack, sl in self.slices.items():
-            if not stack.endswith("_KP"):
-                row_F[sl] = torch.as_tensor(report[self.keys[stack]], dtype=row_F.dtype).reshape(-1)
+        """The scalars and eff_rank_L into the row: gathered on the host as float32 (the device
+        cast's rounding) and written with one host-to-device copy, not one per field."""
+        values = [torch.as_tensor(report[self.keys[stack]]).detach().to("cpu", torch.float32).reshape(-1)
+                  for stack in self.slices if not stack.endswith("_KP")]
+        row_F[self.scalars].copy_(torch.cat(values))
 
     def unpack(self, rows_KF: torch.Tensor) -> dict[str, torch.Tensor]:
         stacks = {}
@@ -345,6 +361,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
             t_client = time.perf_counter()
             train_client(model, ctx, data.train[cid], cfg, rule, needs,
                          client_seed(rc.seed, round_idx, cid), out, work)
+            if device.type == "cuda":  # the client's kernels, not their queueing; one wait a client
+                torch.cuda.synchronize(device)
             out["train_time"] = time.perf_counter() - t_client
             report.pack_scalars(rows_MF[i], out)
 

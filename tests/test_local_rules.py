@@ -612,3 +612,33 @@ def test_rmsgd_real_constructor_and_epoch_step(monkeypatch):
     assert len(calls) == 2  # after every local epoch but the last (the optimizer is then discarded)
     sgd, _, _ = client_steps(["train.optimizer=sgd", "train.lr=0.05", "train.local_epochs=3"], model_name="cnn")
     assert (w - sgd).abs().max() > 1e-6  # the conv layers' rates adapted after the first epoch
+
+
+def test_backward_into_unset_grads_has_the_bits_of_adding_to_zeros():
+    """rules.backward (train_client unsets the gradients each step) leaves the bits that adding
+    each step's gradient to zeroed gradients left: a -0.0 gradient element is +0.0 there, and a
+    bare loss.backward() into unset gradients would keep -0.0 (the sign of a zero is the only
+    difference, so torch.equal cannot see it: the bytes are compared)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    coeff = torch.tensor([[-0.0, 1.5, -2.0, 0.0]]).expand(3, 4)  # d loss / d weight, -0.0 entries included
+
+    def loss_fn():
+        return (model.weight * coeff).sum() + model.bias.sum()
+
+    def grad_bytes():
+        return [p.grad.view(torch.int32).clone() for p in model.parameters()]
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    loss_fn().backward()
+    zeroed = grad_bytes()
+    assert (zeroed[0] == torch.tensor(-0.0).view(torch.int32)).sum() == 0  # 0.0 + -0.0 is +0.0
+
+    model.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    assert any(not torch.equal(a, b) for a, b in zip(grad_bytes(), zeroed))  # the bare backward differs
+
+    model.zero_grad(set_to_none=True)
+    rules.backward(loss_fn(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(grad_bytes(), zeroed))

@@ -70,7 +70,9 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(tc, params, lr_at(tc, ctx.round_idx, epochs_before))
     rule.begin(model, ctx)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # each step's loss is kept (a running device sum would be a cast and an add per step) and
+    # summed on the host in step order, in float64 as the device did
+    losses = []
     lr_sum = 0.0  # the rule's end hook gets the mean learning rate of the steps taken (SCAFFOLD)
     order = None
     for step in range(total_steps):
@@ -85,16 +87,22 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
         if cfg.data.augment:
             from ..data.vision import augment_batch
             x = augment_batch(x, gen)
-        optimizer.zero_grad(set_to_none=False)
+        # unset, not zeroed: backward then hands its gradients over instead of adding them to
+        # zeros, one kernel per parameter fewer (a small model's GPU step is bound by launches);
+        # rules.backward gives the bits of that sum (fedddp/client/rules.py)
+        optimizer.zero_grad(set_to_none=True)
         loss = rule.gradient(model, x, y, ctx)
-        loss_sum += loss.detach()
+        losses.append(loss.detach())
         if step == total_steps - 1 and "last_grad_KP" in needs:
             ctx.layout.flatten_grads(model, out=out["last_grad_P"])
         lr_sum += optimizer.param_groups[0]["lr"]
         optimizer.step()
     ctx.layout.flatten(model, out=out["params_P"])
     rule.end(model, ctx, total_steps, lr_sum / max(total_steps, 1), out)
-    out["train_loss"] = loss_sum / max(total_steps, 1)
+    loss_sum = 0.0
+    for loss_value in torch.stack(losses).double().tolist() if losses else ():
+        loss_sum += loss_value
+    out["train_loss"] = torch.tensor(loss_sum / max(total_steps, 1), dtype=torch.float64)
     out["num_samples"] = torch.tensor(float(n))
     out["num_steps"] = torch.tensor(float(total_steps))
     if "full_grad_KP" in needs:

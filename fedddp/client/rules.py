@@ -7,8 +7,9 @@ A rule has three hooks, called by ``train_client``:
                                      ctx.global_P, ctx.server_view, ctx.state; keep per-client
                                      working tensors in ctx.scratch)
   gradient(model, x, y, ctx) -> loss fill each parameter's .grad for this minibatch (the direction
-                                     the optimizer steps along); return the minibatch's data loss
-                                     (the task's loss at w, detached use only)
+                                     the optimizer steps along; .grad is None at the call, and a
+                                     backward pass goes through ``backward``); return the
+                                     minibatch's data loss (the task's loss at w, detached use only)
   end(model, ctx, num_steps, lr, out) once, after the last step: update ctx.state and write the
                                      report fields the rule produces into ``out`` (views into the
                                      gather buffer, keys as in fedddp.round.VECTOR_FIELDS;
@@ -56,6 +57,17 @@ def param_views(layout, vec_P: torch.Tensor) -> list[torch.Tensor]:
 
 def _params(model) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def backward(loss: torch.Tensor, params) -> None:
+    """loss.backward() into gradients that train_client unset (None) at the step's start, with
+    the bits the gradients had when each step added its gradient to zeroed ones: autograd hands
+    g over, and g + 0.0 is 0.0 + g (-0.0 becomes +0.0), in one foreach kernel instead of a zeroing
+    and an addition per parameter."""
+    loss.backward()
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_add_(grads, 0.0)
 
 
 def _set_grads(params, grads) -> None:
@@ -133,7 +145,7 @@ class LocalRule:
 
     def gradient(self, model, x, y, ctx):
         loss = ctx.task.loss(model(x), y)
-        loss.backward()
+        backward(loss, _params(model))
         return loss
 
     def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
@@ -250,7 +262,7 @@ class Moon(LocalRule):
                                 F.cosine_similarity(z, z_prev, dim=1)], dim=1) / ctx.hp.moon_tau
             labels = torch.zeros(len(y), dtype=torch.long, device=y.device)
             total = loss + ctx.hp.moon_mu * F.cross_entropy(sims, labels)
-        total.backward()
+        backward(total, _params(model))
         return loss
 
     def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
