@@ -42,6 +42,7 @@ import sys
 import time
 
 from . import summary, sweep
+from .checkpoint import atomic_write_text
 from .errors import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -296,11 +297,8 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str)
         name = os.path.splitext(os.path.basename(path))[0]
         overview += [f"- {name}: {line[2:].split(' vs ', 1)[0]}" for line in part if line.startswith("- **")]
     lines += ["Verdicts at a glance (each against its baselines in its section):", ""] + overview + [""] + sections
-    tmp = f"{doc}.tmp.{os.getpid()}"
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
-    with open(tmp, "w") as fh:
-        fh.write("\n".join(lines).rstrip() + "\n")
-    os.replace(tmp, doc)
+    atomic_write_text("\n".join(lines).rstrip() + "\n", doc)
     return problems
 
 

@@ -24,6 +24,8 @@ import sys
 
 import numpy as np
 
+from ..checkpoint import atomic_write_text
+
 SUBSET = "FD001"
 # Levels like FD001's, their drift towards failure, and their noise (s1, s5, s6, s10, s16, s18,
 # s19 are constant, as in FD001).
@@ -61,11 +63,7 @@ def write(root: str, train_engines: int = 100, test_engines: int = 100, seed: in
         test += engine_lines(u, life, stop, rng)
         rul.append(f"{life - stop}")
     for kind, lines in (("train", train), ("test", test), ("RUL", rul)):
-        path = os.path.join(folder, f"{kind}_{SUBSET}.txt")
-        tmp = f"{path}.tmp.{os.getpid()}"
-        with open(tmp, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
+        atomic_write_text("\n".join(lines) + "\n", os.path.join(folder, f"{kind}_{SUBSET}.txt"))
     return folder
 
 
