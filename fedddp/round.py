@@ -332,31 +332,31 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         # (run.parallel_clients > 1: a group at a time, side by side; stragglers as below)
         server_view = {k: state[k] for k in strategy.client_visible}
         row_of = {cid: i for i, cid in enumerate(mine)}
+
+        def start(cid):
+            """(row, local work, context) of a client that trains this round; None for a straggler,
+            whose row then says only its step count."""
+            i, work = row_of[cid], participation.local_work(cfg, round_idx, cid)
+            steps = planned_steps(len(data.train[cid]), cfg.train, work)
+            if rc.deadline_steps and steps > rc.deadline_steps:
+                _straggler_row(rows_MF[i], report, steps)
+                return None
+            return i, work, ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
+                                          client_states.client(cid) if not balanced else {}, task=task)
+
         for group in groups_R[comm.rank] if rc.parallel_clients > 1 else ():
-            trained = []
-            for cid in group:
-                i, work = row_of[cid], participation.local_work(cfg, round_idx, cid)
-                steps = planned_steps(len(data.train[cid]), cfg.train, work)
-                if rc.deadline_steps and steps > rc.deadline_steps:
-                    _straggler_row(rows_MF[i], report, steps)
-                    continue
-                ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
-                                    client_states.client(cid) if not balanced else {}, task=task)
-                trained.append((i, (ctx, data.train[cid], client_seed(rc.seed, round_idx, cid), work,
-                                    report.views(rows_MF[i]))))
+            trained = [(i, (ctx, data.train[ctx.client_id], client_seed(rc.seed, round_idx, ctx.client_id), work,
+                            report.views(rows_MF[i]))) for i, work, ctx in filter(None, map(start, group))]
             if trained:
                 batched.train_group([client for _, client in trained])
             for i, (*_, out) in trained:
                 report.pack_scalars(rows_MF[i], out)
-        for i, cid in enumerate(mine if rc.parallel_clients == 1 else ()):
-            work = participation.local_work(cfg, round_idx, cid)
-            steps = planned_steps(len(data.train[cid]), cfg.train, work)
-            if rc.deadline_steps and steps > rc.deadline_steps:
-                _straggler_row(rows_MF[i], report, steps)
+        for cid in mine if rc.parallel_clients == 1 else ():
+            job = start(cid)
+            if job is None:
                 continue
+            i, work, ctx = job
             layout.unflatten_into(global_P, model)
-            ctx = ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
-                                client_states.client(cid) if not balanced else {}, task=task)
             out = report.views(rows_MF[i])
             t_client = time.perf_counter()
             train_client(model, ctx, data.train[cid], cfg, rule, needs,
