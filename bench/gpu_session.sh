@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every figure of BENCHMARKS.md that needs a GPU, in one run on a CUDA machine, so that a short
+# lease of one is spent measuring: the CUDA-only tests, the server rules' throughput (Triton
+# kernels beside the torch ops, ResNet-18, K = 32 and 64), clients side by side (CNN, FFNN,
+# ResNet-18), fedddp's round against a bare PyTorch loop, and configs/mnist_cnn.toml with 100
+# clients at B = 1 and B = 100. Each step's output goes to $OUT/NAME.log (default gpu_out/);
+# a failing step is reported and the next one runs. Seven files in all, within what a lease
+# returns from $OUT.
+#
+#   bash bench/gpu_session.sh [DATA_ROOT [WHEELS]]
+#
+# DATA_ROOT holds MNIST/raw/ (the t10k files are enough); default ../shared/data. WHEELS: a
+# folder of wheels for what the machine lacks (tensorly, submitit, adamp, rmsgd), installed into
+# a scratch site folder first; default .gpu/whl when it exists. To take both along to a machine
+# that gets only the checkout: mkdir -p .gpu/whl .gpu/data/MNIST/raw, copy the MNIST files and
+# the wheels there, add /.gpu/ to .git/info/exclude and carry .gpu.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=${1:-../shared/data}
+wheels=${2:-.gpu/whl}
+out=${OUT:-gpu_out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/fedddp_site "$wheels"/*.whl || exit 1
+    export PYTHONPATH=/tmp/fedddp_site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+step() {  # step NAME COMMAND...: run it, keep its output, say how it ended
+    local name=$1 start=$SECONDS
+    shift
+    echo "== $name: $*"
+    "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$out/$name.log"
+    echo "== $name: exit $rc in $((SECONDS - start)) s"
+}
+
+step device python3 -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')"
+step cuda_tests python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+    tests/test_strategies.py -k "cuda"
+step aggregate python3 bench/aggregate.py --device cuda --models resnet18 --counts 32,64 --no-naive
+step parallel_clients python3 bench/parallel_clients.py --device cuda
+step round_vs_loop python3 bench/round_vs_loop.py --data-root "$root"
+for B in 1 100; do  # the runs' folders stay out of $OUT (a lease returns few files); their metrics join the log
+    runs=/tmp/fedddp_gpu_runs/mnist_cnn_B$B
+    step "mnist_cnn_B$B" python3 -m fedddp configs/mnist_cnn.toml "data.root=$root" run.device=cuda \
+        data.num_clients=100 run.clients_per_round=100 run.rounds=3 run.ckpt_every=0 \
+        "run.parallel_clients=$B" "run.out_dir=$runs" run.overwrite=true
+    cat "$runs/metrics.jsonl" >>"$out/mnist_cnn_B$B.log" 2>/dev/null
+done
