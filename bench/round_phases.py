@@ -7,7 +7,12 @@ machine's cores is reported as not measured: ranks would share cores). Round 1 i
 the means (warm-up: first allocations, lazy imports). The load average is printed beside each
 row: the machine may be shared.
 
-    python bench/round_phases.py [--rounds 10] [--ranks 1,2,4] [--data-root ../shared/data]
+A machine whose speed drifts (a shared or throttled one) can move one ratio of two runs minutes
+apart by more than the effect measured, so with ``--repeats N`` the rank counts run in turn N
+times (1, 2, 4, 1, 2, 4, ...): every run gets its row, each speed-up is over the 1-rank run of
+its own turn, and a last line gives the median speed-up and waiting share per rank count.
+
+    python bench/round_phases.py [--rounds 10] [--ranks 1,2,4] [--repeats 1] [--data-root ../shared/data]
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,6 +45,7 @@ def main() -> None:
     parser.add_argument("--data-root", default=os.path.join(REPO, "..", "shared", "data"))
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     parser.add_argument("--only", choices=("quickstart", "cnn"), help="one workload")
+    parser.add_argument("--repeats", type=int, default=1, help="turns of all rank counts, one after another")
     args = parser.parse_args()
     rank_counts = [int(r) for r in args.ranks.split(",")]
     workloads = [
@@ -57,26 +64,34 @@ def main() -> None:
           "| evaluate s | outside training | excl. eval | load |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, config, extra in workloads:
-        one_rank = None
-        for nproc in rank_counts:
-            if nproc > cores:
-                print(f"| {name} | {nproc} | not measured: needs {nproc} cores, this machine has {cores} |"
-                      + " |" * 10, flush=True)
-                continue
-            with tempfile.TemporaryDirectory() as out:
-                rows = run(config, nproc, out, extra + [f"run.rounds={args.rounds}", "run.eval_every=5",
-                                                        "run.ckpt_every=0"])[1:]
-            mean = {k: sum(r[k] for r in rows) / len(rows) for k in PHASES + ("time_s",)}
-            one_rank = mean["time_s"] if nproc == 1 else one_rank
-            speedup = f"{one_rank / mean['time_s']:.2f}x" if one_rank else "-"
-            outside = 1.0 - mean["train_s"] / mean["time_s"]
-            no_eval = 1.0 - mean["train_s"] / (mean["time_s"] - mean["evaluate_s"])
-            waiting = mean["train_imbalance_s"] / mean["train_s"]
-            print(f"| {name} | {nproc} | {mean['time_s']:.4f} | {speedup} | {mean['train_s']:.4f} | "
-                  f"{mean['train_imbalance_s']:.4f} | {100 * waiting:.1f}% | {mean['communicate_s']:.4f} | "
-                  f"{mean['aggregate_s']:.5f} | {mean['evaluate_s']:.4f} | {100 * outside:.2f}% | "
-                  f"{100 * no_eval:.2f}% | {os.getloadavg()[0]:.2f} |", flush=True)
-
+        speedups, waits = {}, {}
+        for _ in range(args.repeats):
+            one_rank = None
+            for nproc in rank_counts:
+                if nproc > cores:
+                    print(f"| {name} | {nproc} | not measured: needs {nproc} cores, this machine has {cores} |"
+                          + " |" * 10, flush=True)
+                    continue
+                with tempfile.TemporaryDirectory() as out:
+                    rows = run(config, nproc, out, extra + [f"run.rounds={args.rounds}", "run.eval_every=5",
+                                                            "run.ckpt_every=0"])[1:]
+                mean = {k: sum(r[k] for r in rows) / len(rows) for k in PHASES + ("time_s",)}
+                one_rank = mean["time_s"] if nproc == 1 else one_rank
+                speedup = f"{one_rank / mean['time_s']:.2f}x" if one_rank else "-"
+                outside = 1.0 - mean["train_s"] / mean["time_s"]
+                no_eval = 1.0 - mean["train_s"] / (mean["time_s"] - mean["evaluate_s"])
+                waiting = mean["train_imbalance_s"] / mean["train_s"]
+                if one_rank:
+                    speedups.setdefault(nproc, []).append(one_rank / mean["time_s"])
+                waits.setdefault(nproc, []).append(waiting)
+                print(f"| {name} | {nproc} | {mean['time_s']:.4f} | {speedup} | {mean['train_s']:.4f} | "
+                      f"{mean['train_imbalance_s']:.4f} | {100 * waiting:.1f}% | {mean['communicate_s']:.4f} | "
+                      f"{mean['aggregate_s']:.5f} | {mean['evaluate_s']:.4f} | {100 * outside:.2f}% | "
+                      f"{100 * no_eval:.2f}% | {os.getloadavg()[0]:.2f} |", flush=True)
+        if args.repeats > 1:
+            print(f"| {name} | median of {args.repeats} | | " + ", ".join(
+                f"{n} ranks {statistics.median(speedups[n]):.2f}x (waiting {100 * statistics.median(waits[n]):.1f}%)"
+                for n in speedups if n > 1) + " |" + " |" * 10, flush=True)
 
 if __name__ == "__main__":
     main()
