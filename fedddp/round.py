@@ -351,7 +351,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
             if straggles(cid):
                 _straggler_row(rows_MF[i], report, steps_of[cid])
                 return None
-            home = owner(cid, comm.world_size) == comm.rank
+            # a rule that declares no client_state keeps none, wherever its clients train
+            home = rule.client_state and owner(cid, comm.world_size) == comm.rank
             return i, work, ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
                                           client_states.client(cid) if home else visiting.get(cid, {}), task=task)
 
