@@ -13,6 +13,7 @@ times (1, 2, 4, 1, 2, 4, ...): every run gets its row, each speed-up is over the
 its own turn, and a last line gives the median speed-up and waiting share per rank count.
 
     python bench/round_phases.py [--rounds 10] [--ranks 1,2,4] [--repeats 1] [--data-root ../shared/data]
+        [--set algorithm.name=scaffold ...]
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
     parser.add_argument("--only", choices=("quickstart", "cnn"), help="one workload")
     parser.add_argument("--repeats", type=int, default=1, help="turns of all rank counts, one after another")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every workload (repeatable)")
     args = parser.parse_args()
     rank_counts = [int(r) for r in args.ranks.split(",")]
     workloads = [
@@ -55,7 +58,8 @@ def main() -> None:
     if args.only:
         workloads = [w for w in workloads if w[1].endswith(f"{args.only}.toml") or args.only in w[1]]
     cores = len(os.sched_getaffinity(0))
-    print(f"rounds {args.rounds} (round 1 excluded), eval every 5 rounds, no checkpoints, {cores} cores\n")
+    print(f"rounds {args.rounds} (round 1 excluded), eval every 5 rounds, no checkpoints, {cores} cores"
+          + "".join(f", {kv}" for kv in args.set) + "\n")
     print("train s is the slowest rank's local training (the critical path); imbalance is slowest minus")
     print("fastest rank; 'waiting' = imbalance / train, the share of training the fastest rank waits.")
     print("'speed-up' = 1-rank round / this round. 'outside training' = 1 - train / round; 'excl. eval'")
@@ -74,7 +78,7 @@ def main() -> None:
                     continue
                 with tempfile.TemporaryDirectory() as out:
                     rows = run(config, nproc, out, extra + [f"run.rounds={args.rounds}", "run.eval_every=5",
-                                                            "run.ckpt_every=0"])[1:]
+                                                            "run.ckpt_every=0"] + args.set)[1:]
                 mean = {k: sum(r[k] for r in rows) / len(rows) for k in PHASES + ("time_s",)}
                 one_rank = mean["time_s"] if nproc == 1 else one_rank
                 speedup = f"{one_rank / mean['time_s']:.2f}x" if one_rank else "-"

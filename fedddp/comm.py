@@ -113,6 +113,25 @@ class Comm:
         dist.broadcast_object_list(box, src)
         return box[0]
 
+    def send_tensors(self, tensors: dict[str, torch.Tensor], dst: int) -> None:
+        """Named tensors to rank ``dst`` (point to point; the receiver calls ``recv_tensors``): their
+        names, shapes and dtypes as one small object, then each tensor from ``comm.device``. An
+        empty dict sends only the empty list, so the receiver need not know whether there is any."""
+        meta = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+        dist.send_object_list([meta], dst=dst, device=self.device)
+        for t in tensors.values():
+            dist.send(t.to(self.device).contiguous(), dst)
+
+    def recv_tensors(self, src: int) -> dict[str, torch.Tensor]:
+        """What rank ``src`` sent with ``send_tensors``, on ``comm.device``."""
+        box = [None]
+        dist.recv_object_list(box, src=src, device=self.device)
+        received = {}
+        for name, shape, dtype in box[0]:
+            received[name] = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(received[name], src)
+        return received
+
     def barrier(self) -> None:
         if self.distributed:
             if self.backend == "nccl":

@@ -13,8 +13,8 @@ ranks.
 - Dropouts (``run.dropout``): each sampled client fails to report with that probability; it
   does not train, and its client state is untouched.
 - Stragglers (``run.deadline_steps > 0``): a client whose drawn work exceeds the deadline in
-  local steps is dropped as well; only its owner rank knows its step count, so it reports the
-  count and rank 0 leaves its row out (``reporting_rows``).
+  local steps is dropped as well; it does not train (its client state does not leave its owner
+  rank), its row carries the count and rank 0 leaves it out (``reporting_rows``).
 """
 
 from __future__ import annotations

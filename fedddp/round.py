@@ -19,13 +19,14 @@ from . import checkpoint, config, logs, outdir, participation, strategies, tasks
 from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
 from .client import ClientContext, planned_steps, train_client
 from .client import rules as local_rules
-from .client.state import open_store as open_client_states
+from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
 from .data import ClientData, build as build_data
 from .data.build import BUILT_WHOLE, LazyClients
 from .errors import ConfigError, DataError, DivergenceError, UserError
 from .flat import FlatLayout
 from .models import build_model
-from .sampling import assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, sample_clients
+from .sampling import (assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, owner,
+                       sample_clients, travelling)
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
 VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"),
@@ -237,11 +238,11 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
 
     # -- data: the clients this rank may train; a client's tensors are made when it first trains
-    # Local rules without per-client state balance each round's clients over ranks by cost, so
-    # any rank may train any client; a rule with state trains each client on its owner rank,
-    # where the state lives, and so do data sets built whole (docs/architecture.md, "Which rank
+    # Each round's clients are balanced over ranks by cost, so any rank may train any client
+    # (per-client state travels from its owner rank for the round); only data sets built whole,
+    # whose clients exist on their owner alone, train there (docs/architecture.md, "Which rank
     # trains a client").
-    balanced = not rule.client_state and cfg.data.name not in BUILT_WHOLE
+    balanced = cfg.data.name not in BUILT_WHOLE
     owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
     error = None
     try:
@@ -332,17 +333,28 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         # (run.parallel_clients > 1: a group at a time, side by side; stragglers as below)
         server_view = {k: state[k] for k in strategy.client_visible}
         row_of = {cid: i for i, cid in enumerate(mine)}
+        # every reporting client's local work and steps, drawn alike on every rank, so all agree
+        # on the stragglers, which do not train and whose state stays home
+        work_of = {c: participation.local_work(cfg, round_idx, c) for c in reporting}
+        steps_of = {c: planned_steps(data.num_samples[c], cfg.train, work_of[c]) for c in reporting}
+        straggles = lambda c: bool(rc.deadline_steps) and steps_of[c] > rc.deadline_steps  # noqa: E731
+        # -- per-client state of the clients trained away from their owner: fetched here, sent
+        # home after training; a client trained on its owner uses the store directly
+        moves = travelling([c for c in reporting if not straggles(c)], per_rank, comm.world_size) \
+            if rule.client_state else []
+        visiting = fetch_client_states(comm, client_states, moves)
 
         def start(cid):
             """(row, local work, context) of a client that trains this round; None for a straggler,
             whose row then says only its step count."""
-            i, work = row_of[cid], participation.local_work(cfg, round_idx, cid)
-            steps = planned_steps(len(data.train[cid]), cfg.train, work)
-            if rc.deadline_steps and steps > rc.deadline_steps:
-                _straggler_row(rows_MF[i], report, steps)
+            i, work = row_of[cid], work_of[cid]
+            if straggles(cid):
+                _straggler_row(rows_MF[i], report, steps_of[cid])
                 return None
+            # a rule that declares no client_state keeps none, wherever its clients train
+            home = rule.client_state and owner(cid, comm.world_size) == comm.rank
             return i, work, ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
-                                          client_states.client(cid) if not balanced else {}, task=task)
+                                          client_states.client(cid) if home else visiting.get(cid, {}), task=task)
 
         for group in groups_R[comm.rank] if rc.parallel_clients > 1 else ():
             trained = [(i, (ctx, data.train[ctx.client_id], client_seed(rc.seed, round_idx, ctx.client_id), work,
@@ -365,6 +377,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
                 torch.cuda.synchronize(device)
             out["train_time"] = time.perf_counter() - t_client
             report.pack_scalars(rows_MF[i], out)
+        send_home(comm, client_states, moves, visiting)
 
         # -- gather the reports, ordered by client id ---------------------------------------
         gathered = gather_buffer[:comm.world_size * rows_per_rank] if gather_buffer is not None else None

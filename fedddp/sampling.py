@@ -59,8 +59,8 @@ def assign_clients(sampled: list[int], cost_of, world_size: int, balanced: bool)
 
     balanced: longest first onto the least-loaded rank (``cost_of(client id)``; ties go to the
     smaller client id, then the lower rank), so ranks finish together however uneven the
-    clients are. Otherwise each client goes to its owner (``client_id % world_size``), for local
-    rules that keep per-client state on the owner rank."""
+    clients are. Otherwise each client goes to its owner (``client_id % world_size``): for data
+    sets built whole (``data.build.BUILT_WHOLE``), whose clients exist only on their owner."""
     if not balanced:
         return [[c for c in sampled if owner(c, world_size) == r] for r in range(world_size)]
     per_rank, load_R = [[] for _ in range(world_size)], [0] * world_size
@@ -81,8 +81,8 @@ def assign_groups(sampled: list[int], cost_of, world_size: int, balanced: bool,
     groups are cut from all sampled clients whatever the world size, and whole groups (cost:
     the sum of their clients') are assigned as ``assign_clients`` assigns clients, so every
     client trains in the same group, and to the same bits, on any number of ranks. Otherwise
-    (per-client state on the owner rank) each rank cuts its own clients into groups, which then
-    depend on the world size."""
+    (only for data sets built whole, ``data.build.BUILT_WHOLE``, whose clients exist only on their
+    owner) each rank cuts its own clients into groups, which then depend on the world size."""
     def cut(clients):
         ordered = sorted(clients, key=lambda c: (-cost_of(c), c))
         return [sorted(ordered[i:i + size]) for i in range(0, len(ordered), size)]
@@ -95,6 +95,16 @@ def assign_groups(sampled: list[int], cost_of, world_size: int, balanced: bool,
                                      world_size, balanced)
     groups_R = [[groups[g] for g in gs] for gs in per_rank_groups]
     return [sorted(c for g in gs for c in g) for gs in groups_R], groups_R
+
+
+def travelling(clients: list[int], per_rank: list[list[int]], world_size: int) -> list[tuple[int, int, int]]:
+    """(client id, owner rank, training rank) of each of ``clients`` that a rank other than its
+    owner trains this round (``per_rank``: the round's assignment), in client-id order: the order
+    in which every rank sends and receives per-client state, so each blocking transfer's two ranks
+    reach it having finished every earlier one they take part in, and none waits forever."""
+    trainer_of = {c: r for r, p in enumerate(per_rank) for c in p}
+    return [(c, owner(c, world_size), trainer_of[c]) for c in sorted(clients)
+            if owner(c, world_size) != trainer_of[c]]
 
 
 def layout_rows(sampled: list[int], world_size: int,

@@ -1,5 +1,6 @@
-"""Which rank trains which client: balanced by expected cost for stateless local rules, by
-ownership for rules with per-client state; clients' tensors made on the rank that trains them."""
+"""Which rank trains which client: balanced by expected cost (every local rule: per-client state
+travels, tests/test_state_travels.py), by ownership only for data sets built whole; clients'
+tensors made on the rank that trains them."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ A rule has three hooks, called by ``train_client``:
                                      out["params_P"] already holds the trained model);
                                      ``lr`` is the mean learning rate of the steps taken
 Rules hold no state across clients: everything persistent lives in ctx.state, which the round
-loop keeps on the client's owner rank (fedddp.client.state) and checkpoints.
+loop keeps on the client's owner rank (fedddp.client.state), lends for the round to the rank that
+trains the client, and checkpoints.
 
 The rules of seed 002's FedGAM paper and its baselines (formulas: docs/algorithms.md):
   plain     g

@@ -3,8 +3,9 @@
 Legend: P flat elements, R rows (this rank's owned clients).
 
 A client's state lives on its owner rank only, and only once the client has trained: a rank
-pays for the clients it owns that have state, never for the others. Two stores with the same
-dict-like interface, chosen by ``run.client_state``:
+pays for the clients it owns that have state, never for the others. When another rank trains the
+client, the state travels there for the round and back (``fetch``, ``send_home``); the owner's store
+stays its home. Two stores with the same dict-like interface, chosen by ``run.client_state``:
 
   memory  a dict {client id: {name: tensor}} on the run's device.
   mmap    one file per state name under ``out_dir/client_state/rank{r}/``, a row per owned
@@ -37,6 +38,30 @@ def open_store(kind: str, owned: list[int], folder: str, device: torch.device):
     return MemoryStore()
 
 
+def fetch(comm, store, moves: list[tuple[int, int, int]]) -> dict[int, dict[str, torch.Tensor]]:
+    """Before local training: for each (client, owner, trainer) of ``moves`` (``sampling.travelling``,
+    the same list on every rank), the owner sends the client's state (empty if it never trained) and
+    the trainer receives it. Returns {client id: state} of the clients this rank trains for another
+    owner: held for this round only, ``send_home`` gives them back."""
+    visiting = {}
+    for cid, home, trainer in moves:
+        if comm.rank == home:
+            comm.send_tensors(dict(store.client(cid)), trainer)
+        elif comm.rank == trainer:
+            visiting[cid] = comm.recv_tensors(home)
+    return visiting
+
+
+def send_home(comm, store, moves: list[tuple[int, int, int]], visiting: dict[int, dict]) -> None:
+    """After local training, the same transfers the other way: each trainer sends the state its
+    rule left (and drops it), each owner makes it the client's state in its store."""
+    for cid, home, trainer in moves:
+        if comm.rank == trainer:
+            comm.send_tensors(visiting.pop(cid), home)
+        elif comm.rank == home:
+            store.replace(cid, comm.recv_tensors(trainer))
+
+
 class MemoryStore:
     """Client states as tensors in RAM (or on the run's device)."""
 
@@ -49,6 +74,10 @@ class MemoryStore:
 
     def items(self):
         return [(c, s) for c, s in self._states.items() if s]
+
+    def replace(self, cid: int, state: dict[str, torch.Tensor]) -> None:
+        """Client ``cid``'s state becomes exactly ``state`` (it came back from another rank)."""
+        self._states[int(cid)] = dict(state)
 
     def restore(self, saved: dict[int, dict[str, torch.Tensor]]) -> None:
         for cid, state in saved.items():
@@ -156,6 +185,14 @@ class MmapStore:
             if state:
                 out.append((cid, state))
         return out
+
+    def replace(self, cid: int, state: dict[str, torch.Tensor]) -> None:
+        """Client ``cid``'s state becomes exactly ``state`` (it came back from another rank)."""
+        view = self.client(cid)
+        for name in [n for n in view if n not in state]:
+            del view[name]
+        for name, value in state.items():
+            view[name] = value
 
     def restore(self, saved: dict[int, dict[str, torch.Tensor]]) -> None:
         for cid, state in saved.items():
