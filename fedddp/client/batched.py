@@ -337,8 +337,10 @@ class BatchedTrainer:
         for _, data, *_ in group[:-1]:
             offsets_B.append(offsets_B[-1] + len(data))
 
-        # rule hooks per client, as train_client calls them (model holds global_P)
+        # rule hooks per client, as train_client calls them (model holds global_P, in training
+        # mode: SCAFFOLD option I's start gradient normalises with batch statistics)
         layout.unflatten_into(global_P, self.model)
+        self.model.train()
         for (ctx, data, seed, work, out) in group:
             if rule.needs_start_gradient(hp):
                 ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task)
