@@ -321,9 +321,9 @@ def test_each_client_keeps_its_own_running_statistics():
 
 
 # ResNet-18 on 8 x 8 images amplifies float32 rounding (BatchNorm over few values per channel
-# deep in the net): the sequential path itself, run with 2 intra-op threads instead of 1, moves
-# this test's model by 1.1e-5 of its scale (batched: 1.2e-5), too close to TOL for a margin
-# across machines, so ResNet gets its own tolerance.
+# deep in the net): the sequential path itself, run with 2 intra-op threads instead of 1
+# (run.num_threads=2), moves this test's model by 1.1e-5 of its scale (batched: 1.2e-5), too
+# close to TOL for a margin across machines, so ResNet gets its own tolerance.
 RESNET_TOL = 1e-4
 
 

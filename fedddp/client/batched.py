@@ -237,7 +237,7 @@ class BatchedTrainer:
         self.batch_norms = {name: m for name, m in model.named_modules()
                             if isinstance(m, nn.modules.batchnorm._BatchNorm)}
         self.integer_buffers = {n for n, b in model.named_buffers() if not b.dtype.is_floating_point}
-        self.batch = _Batch()
+        self.batch, self.stat_names = _Batch(), []
         net = _masked_twin(model, self.batch) if self.batch_norms else model
 
         def loss(params_T, buffers_T, x, y, mask, count):
