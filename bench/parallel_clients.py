@@ -15,9 +15,11 @@ resident memory above its resident memory before it.
     python bench/parallel_clients.py [--device cpu|cuda] [--clients 1,10,100,300] [--models cnn,ffnn,resnet18]
     python bench/parallel_clients.py --models resnet18 --clients 1,2,4 --steps 2    # ResNet-18 on CPU
 
-``--batch-norm K`` times instead one ResNet-18 gradient step of K clients side by side without
-padding, with the masked BatchNorm the batched path uses against torch's own BatchNorm under
-vmap (running statistics batched; it cannot leave padded samples out): what masking costs.
+``--batch-norm K`` times instead one ResNet-18 gradient step of K clients side by side: with full
+batches, the masked BatchNorm the batched path uses against torch's own BatchNorm under vmap
+(running statistics batched; it cannot leave padded samples out), which is what masking costs;
+and with the last client's batch partial (12 of 32), padded under the mask against split by
+width into one call per width with torch's BatchNorm, the alternative to masking.
 """
 
 from __future__ import annotations
@@ -141,21 +143,38 @@ def batch_norm_forms(num_clients: int, steps: int, device_name: str) -> None:
     def native(p, b, x, y, mask, count):  # updates the batched running statistics in place
         return torch.nn.functional.cross_entropy(functional_call(model, {**p, **b}, (x,)), y), ()
 
-    forms = {"masked": vmap(grad_and_value(masked, has_aux=True)),
-             "torch": vmap(grad_and_value(native, has_aux=True))}
+    masked_step, native_step = vmap(grad_and_value(masked, has_aux=True)), vmap(grad_and_value(native, has_aux=True))
+    # a step where the last client has a partial batch of ``part``: padded under the mask, or
+    # split by width into one call per width with torch's BatchNorm
+    part, last = BATCH * 3 // 8, num_clients - 1
+    mask_partial = mask.clone()
+    mask_partial[last, part:] = 0
+    count_partial = mask_partial.sum(1)
+
+    def split_step():
+        head = {n: t[:last] for n, t in params.items()}, {n: t[:last] for n, t in buffers.items()}
+        tail = {n: t[last:] for n, t in params.items()}, {n: t[last:] for n, t in buffers.items()}
+        if last:
+            native_step(*head, x[:last], y[:last], mask[:last], count[:last])
+        native_step(*tail, x[last:, :part], y[last:, :part], mask[last:, :part], count_partial[last:])
+
+    forms = {"masked, full batches": lambda: masked_step(params, buffers, x, y, mask, count),
+             "torch, full batches": lambda: native_step(params, buffers, x, y, mask, count),
+             f"masked, one batch of {part}": lambda: masked_step(params, buffers, x, y, mask_partial, count_partial),
+             f"split by width, one batch of {part}": split_step}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = {name: float("inf") for name in forms}
     for i in range(steps + 1):  # the first round warms up and is not counted
         for name, form in forms.items():
             sync()
             start = time.perf_counter()
-            form(params, buffers, x, y, mask, count)
+            form()
             sync()
             if i:
                 best[name] = min(best[name], time.perf_counter() - start)
-    print(f"ResNet-18, {num_clients} clients side by side, batch {BATCH}, {device_name}: "
-          + ", ".join(f"{name} BatchNorm {seconds:.3f} s a step" for name, seconds in best.items())
-          + f" (masked / torch {best['masked'] / best['torch']:.2f}); load average {os.getloadavg()[0]:.1f}")
+    print(f"ResNet-18, {num_clients} clients side by side, batch {BATCH}, {device_name}, s a step: "
+          + ", ".join(f"{name} {seconds:.3f}" for name, seconds in best.items())
+          + f"; load average {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:

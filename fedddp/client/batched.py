@@ -38,7 +38,9 @@ num_batches_tracked + 1). The extra pass of SAM, GAM and FedSMOO discards its st
 sequential ``rules._shifted`` restores the buffers); MOON's global and previous models run in
 eval mode on their own running statistics. Other buffers (not BatchNorm's) are refused. (torch
 2.14's vmap of ``F.batch_norm`` does update batched buffers in place, but it would take the
-padding into the statistics; masking costs 7-8% of a ResNet-18 step on CPU against it.) Memory:
+padding into the statistics; on CPU masking costs 2-14% of a ResNet-18 step against it, and
+splitting a step's clients by batch width would be cheaper on steps with a partial batch:
+BENCHMARKS.md.) Memory:
 a ResNet-18 client side by side takes about 661 MiB on CPU (batch 32, 3x32x32, plain SGD),
 mostly its batch's activations; its parameters are 42.6 MiB a copy (BENCHMARKS.md).
 
