@@ -4,7 +4,8 @@ clients side by side (run.parallel_clients = K), with peak memory.
 Runs fedddp's own code on random data of the models' shapes: ``train_client`` for each client
 in turn, and ``BatchedTrainer.train_group`` for all K at once; plain SGD, batch 32, every
 client --steps full batches. Seed 002's CNN on 1x28x28 images, seed 004's FFNN on 14 features,
-and ResNet-18 (CIFAR stem, 3x32x32; refused side by side: its BatchNorm). On CUDA when present
+and ResNet-18 (CIFAR stem, 3x32x32; side by side its BatchNorm layers are the masked ones of
+fedddp.client.batched, each client's running statistics stacked). On CUDA when present
 (--device), else on CPU with one thread. The sequential rate does not depend on K; it is
 measured over min(K, --seq-clients) clients. Each measurement runs in a fresh process after
 one untimed warm-up call; peak memory is the measurement's own: on CUDA
@@ -12,6 +13,13 @@ torch.cuda.max_memory_allocated above what was allocated before it, on CPU the p
 resident memory above its resident memory before it.
 
     python bench/parallel_clients.py [--device cpu|cuda] [--clients 1,10,100,300] [--models cnn,ffnn,resnet18]
+    python bench/parallel_clients.py --models resnet18 --clients 1,2,4 --steps 2    # ResNet-18 on CPU
+
+``--batch-norm K`` times instead one ResNet-18 gradient step of K clients side by side: with full
+batches, the masked BatchNorm the batched path uses against torch's own BatchNorm under vmap
+(running statistics batched; it cannot leave padded samples out), which is what masking costs;
+and with the last client's batch partial (12 of 32), padded under the mask against split by
+width into one call per width with torch's BatchNorm, the alternative to masking.
 """
 
 from __future__ import annotations
@@ -104,6 +112,71 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
     return {"steps_per_s": count * steps / seconds, "peak_mib": max(peak, 0.0), "clients_timed": count}
 
 
+def batch_norm_forms(num_clients: int, steps: int, device_name: str) -> None:
+    """Seconds per gradient step of ResNet-18 for num_clients clients side by side (batch 32, no
+    padding), BatchNorm masked (fedddp.client.batched) against torch's, alternating, best of
+    ``steps`` each."""
+    import torch
+    from torch.func import functional_call, grad_and_value, vmap
+
+    sys.path.insert(0, REPO)
+    from fedddp import models
+    from fedddp.client import batched
+
+    torch.set_num_threads(1)
+    device = torch.device(device_name)
+    torch.manual_seed(0)
+    model = models.resnet18((3, 32, 32), 10).to(device)
+    x = torch.randn(num_clients, BATCH, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (num_clients, BATCH), device=device)
+    mask, count = torch.ones(num_clients, BATCH, device=device), torch.full((num_clients,), float(BATCH), device=device)
+    params = {n: p.detach().expand((num_clients,) + p.shape).clone() for n, p in model.named_parameters()}
+    buffers = {n: b.expand((num_clients,) + b.shape).clone() for n, b in model.named_buffers()}
+    batch = batched._Batch()
+    twin = batched._masked_twin(model, batch).train()
+
+    def masked(p, b, x, y, mask, count):
+        batch.mask, batch.count, batch.names, batch.stats = mask, count, [], []
+        out = functional_call(twin, {**p, **b}, (x,))
+        return torch.nn.functional.cross_entropy(out, y), tuple(batch.stats)
+
+    def native(p, b, x, y, mask, count):  # updates the batched running statistics in place
+        return torch.nn.functional.cross_entropy(functional_call(model, {**p, **b}, (x,)), y), ()
+
+    masked_step, native_step = vmap(grad_and_value(masked, has_aux=True)), vmap(grad_and_value(native, has_aux=True))
+    # a step where the last client has a partial batch of ``part``: padded under the mask, or
+    # split by width into one call per width with torch's BatchNorm
+    part, last = BATCH * 3 // 8, num_clients - 1
+    mask_partial = mask.clone()
+    mask_partial[last, part:] = 0
+    count_partial = mask_partial.sum(1)
+
+    def split_step():
+        head = {n: t[:last] for n, t in params.items()}, {n: t[:last] for n, t in buffers.items()}
+        tail = {n: t[last:] for n, t in params.items()}, {n: t[last:] for n, t in buffers.items()}
+        if last:
+            native_step(*head, x[:last], y[:last], mask[:last], count[:last])
+        native_step(*tail, x[last:, :part], y[last:, :part], mask[last:, :part], count_partial[last:])
+
+    forms = {"masked, full batches": lambda: masked_step(params, buffers, x, y, mask, count),
+             "torch, full batches": lambda: native_step(params, buffers, x, y, mask, count),
+             f"masked, one batch of {part}": lambda: masked_step(params, buffers, x, y, mask_partial, count_partial),
+             f"split by width, one batch of {part}": split_step}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    best = {name: float("inf") for name in forms}
+    for i in range(steps + 1):  # the first round warms up and is not counted
+        for name, form in forms.items():
+            sync()
+            start = time.perf_counter()
+            form()
+            sync()
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+    print(f"ResNet-18, {num_clients} clients side by side, batch {BATCH}, {device_name}, s a step: "
+          + ", ".join(f"{name} {seconds:.3f}" for name, seconds in best.items())
+          + f"; load average {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
@@ -112,8 +185,13 @@ def main() -> None:
                                                          "(ResNet-18 takes seconds a step there)")
     parser.add_argument("--steps", type=int, default=8, help="local steps (full batches of 32) per client")
     parser.add_argument("--seq-clients", type=int, default=10, help="clients timed one after another")
+    parser.add_argument("--batch-norm", type=int, default=0, metavar="K",
+                        help="time ResNet-18's masked BatchNorm against torch's for K clients side by side")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # model,K,mode: one measurement, JSON out
     args = parser.parse_args()
+    if args.batch_norm:
+        batch_norm_forms(args.batch_norm, args.steps, args.device or "cpu")
+        return
     if args.device is None:
         import torch
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,9 +214,6 @@ def main() -> None:
         for k in [int(c) for c in args.clients.split(",")]:
             results = {}
             for mode in ("sequential", "batched"):
-                if mode == "batched" and model_name == "resnet18":
-                    results[mode] = None  # refused: BatchNorm (fedddp.client.batched.check)
-                    continue
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{model_name},{k},{mode}",
                                        "--device", args.device, "--steps", str(args.steps),
                                        "--seq-clients", str(args.seq_clients)],
@@ -151,15 +226,13 @@ def main() -> None:
             seq, bat = results["sequential"], results["batched"]
 
             def rate(r):
-                if r is None:
-                    return "not batched (BatchNorm)"
                 return r.get("error") or f"{r['steps_per_s']:.3g}"
 
             def mem(r):
-                return "-" if r is None or "error" in r else f"{r['peak_mib']:.1f}"
+                return "-" if "error" in r else f"{r['peak_mib']:.1f}"
 
             speedup = (f"{bat['steps_per_s'] / seq['steps_per_s']:.2f}x"
-                       if bat and "error" not in bat and "error" not in seq else "-")
+                       if "error" not in bat and "error" not in seq else "-")
             print(f"| {model_name} | {k} | {rate(seq)} | {rate(bat)} | {speedup} | {mem(seq)} | {mem(bat)} |",
                   flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")

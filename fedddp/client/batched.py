@@ -25,8 +25,24 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
   the report rows; full-batch gradients (CGW) and effective ranks (FedER) are computed per
   client by the sequential functions, after loading its trained parameters into the model.
 
-Models with BatchNorm (or any buffer) are refused: padded samples would enter the batch
-statistics.
+BatchNorm: each client has its own running statistics (running_mean, running_var,
+num_batches_tracked), stacked on the client dimension like the parameters and starting from the
+global vector's (``model.flat_buffers = true``; with false the sequential path's statistics are
+whatever the rank's previous client left, so B > 1 is refused). In the batched computation every
+BatchNorm layer is a ``_MaskedBatchNorm`` (a copy of the model on the meta device holds them):
+in training mode it normalises with the mean and biased variance of the client's own samples
+only (padding has mask 0 and enters neither), and returns that mean and the unbiased variance as
+auxiliary outputs of ``grad_and_value``; the running statistics are then updated outside the
+transform, once per step as torch does (momentum, or the cumulative average for momentum None;
+num_batches_tracked + 1). The extra pass of SAM, GAM and FedSMOO discards its statistics (the
+sequential ``rules._shifted`` restores the buffers); MOON's global and previous models run in
+eval mode on their own running statistics. Other buffers (not BatchNorm's) are refused. (torch
+2.14's vmap of ``F.batch_norm`` does update batched buffers in place, but it would take the
+padding into the statistics; on CPU masking costs 2-14% of a ResNet-18 step against it, and
+splitting a step's clients by batch width would be cheaper on steps with a partial batch:
+BENCHMARKS.md.) Memory:
+a ResNet-18 client side by side takes about 661 MiB on CPU (batch 32, 3x32x32, plain SGD),
+mostly its batch's activations; its parameters are 42.6 MiB a copy (BENCHMARKS.md).
 
 The result equals the sequential path to float32 rounding, not always bit for bit (the batched
 kernels may sum in another order); tests/test_parallel_clients.py states the tolerance. The
@@ -36,6 +52,7 @@ size (``fedddp.sampling.assign_groups``).
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -51,7 +68,7 @@ from .optim import lr_at
 
 RULES = ("plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo")
 OPTIMIZERS = ("sgd", "adam")
-BATCH_NORM_MODELS = ("resnet18",)
+BATCH_NORM_MODELS = ("resnet18",)  # the built-ins with BatchNorm (plugin models are checked when built)
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 
 
@@ -75,10 +92,16 @@ def check(cfg) -> list[str]:
     if cfg.train.optimizer not in OPTIMIZERS:
         errors.append(f"run.parallel_clients: train.optimizer = {cfg.train.optimizer} is not batched "
                       f"(batched: {', '.join(OPTIMIZERS)}){fix}")
-    if cfg.model.name in BATCH_NORM_MODELS:
-        errors.append(f"run.parallel_clients: model.name = {cfg.model.name} has BatchNorm, whose batch "
-                      f"statistics padded samples would enter{fix}")
+    if cfg.model.name in BATCH_NORM_MODELS and not cfg.model.flat_buffers:
+        errors.append(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
     return errors
+
+
+# Without the buffers in the flat vector, the sequential path starts each client from the running
+# statistics the rank's previous client left: a result that depends on the rank, not copied here.
+_FLAT_BUFFERS_ERROR = ("run.parallel_clients: model.name = {} has BatchNorm, whose running statistics with "
+                       "model.flat_buffers=false depend on the rank's previous client; set "
+                       "model.flat_buffers=true or run.parallel_clients=1")
 
 
 class _Schedule:
@@ -135,56 +158,168 @@ def _ascent(grads_T, rho: float, eps: float):
     return [g * _per_client(scale_B, g) for g in grads_T]
 
 
+class _Batch:
+    """What the masked BatchNorm layers of one forward read and write: the client's sample mask
+    [S] and count (under vmap each client's own), and, in the order the layers ran, the names of
+    the layers that computed batch statistics and those statistics."""
+
+    def __init__(self):
+        self.mask = self.count = None
+        self.names, self.stats = [], []
+
+
+class _MaskedBatchNorm(nn.Module):
+    """A BatchNorm layer (any dimension) over the samples of ``batch.mask`` only, with the same
+    parameters and buffers (names, shapes) as the layer it stands for. It never writes its
+    buffers: in training mode it appends (mean, unbiased variance) to ``batch.stats`` for the
+    caller to update the running statistics outside the torch.func transforms."""
+
+    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, name: str, batch: _Batch):
+        super().__init__()
+        self.eps, self.momentum, self.name, self.batch = bn.eps, bn.momentum, name, batch
+        self.weight, self.bias = bn.weight, bn.bias
+        for key in ("running_mean", "running_var", "num_batches_tracked"):
+            self.register_buffer(key, getattr(bn, key, None))
+
+    def forward(self, x):
+        shape = (1, -1) + (1,) * (x.dim() - 2)  # [C] broadcast over [S, C, ...]
+        if self.training or self.running_mean is None:  # torch's bn_training
+            dims = [0] + list(range(2, x.dim()))
+            mask = self.batch.mask.view((-1,) + (1,) * (x.dim() - 1))
+            n = self.batch.count * (x[0, 0].numel())  # the client's values per channel
+            mean_C = (x * mask).sum(dims) / n
+            centred = x - mean_C.view(shape)
+            var_C = (centred * centred * mask).sum(dims) / n
+            if self.training and self.running_mean is not None:
+                self.batch.names.append(self.name)
+                self.batch.stats += [mean_C.detach(), (var_C * (n / (n - 1))).detach()]
+            out = centred * torch.rsqrt(var_C + self.eps).view(shape)
+        else:
+            out = (x - self.running_mean.view(shape)) * torch.rsqrt(self.running_var + self.eps).view(shape)
+        if self.weight is not None:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
+
+
+def _masked_twin(model: nn.Module, batch: _Batch) -> nn.Module:
+    """The model with each BatchNorm layer a ``_MaskedBatchNorm``, on the meta device:
+    functional_call supplies every parameter and buffer, so it holds no memory of its own."""
+    twin = copy.deepcopy(model).to("meta")
+    for name, module in list(twin.named_modules()):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            parent, _, child = name.rpartition(".")
+            setattr(twin.get_submodule(parent) if parent else twin, child, _MaskedBatchNorm(module, name, batch))
+    return twin
+
+
+def _check_buffers(model: nn.Module, layout: FlatLayout, cfg) -> None:
+    """BatchNorm statistics are batched when they travel in the flat vector; anything else is a
+    config error naming the fix."""
+    bn_buffers = {f"{name}.{key}" for name, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm) for key, _ in m.named_buffers(recurse=False)}
+    others = [name for name, _ in model.named_buffers() if name not in bn_buffers]
+    if others:
+        raise ConfigError(f"run.parallel_clients: model.name = {cfg.model.name} has buffers that are not "
+                          f"BatchNorm statistics ({', '.join(others[:3])}), which are not batched; set "
+                          "run.parallel_clients=1")
+    if bn_buffers and not any(not e.is_param for e in layout.entries):
+        raise ConfigError(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
+
+
 class BatchedTrainer:
     """Trains groups of clients side by side; one per run (it holds the model's functional form)."""
 
     def __init__(self, model, layout: FlatLayout, cfg, rule, needs: frozenset, task):
         self.model, self.layout, self.cfg, self.rule, self.needs, self.task = model, layout, cfg, rule, needs, task
-        if any(not e.is_param for e in layout.entries) or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                                                              for m in model.modules()):
-            # the name check of ``check`` cannot see a model's modules (BatchNorm in any model)
-            raise ConfigError(f"run.parallel_clients: model.name = {cfg.model.name} has buffers (BatchNorm "
-                              "statistics), which are not batched; set run.parallel_clients=1")
+        _check_buffers(model, layout, cfg)
         self.param_entries = [e for e in layout.entries if e.is_param]
-        self.names = [e.name for e in self.param_entries]
+        self.buffer_entries = [e for e in layout.entries if not e.is_param]
+        self.names = [e.name for e in self.param_entries] + [e.name for e in self.buffer_entries]
+        # the BatchNorm layers by name, for their momentum; a model without them runs as it is
+        self.batch_norms = {name: m for name, m in model.named_modules()
+                            if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+        self.integer_buffers = {n for n, b in model.named_buffers() if not b.dtype.is_floating_point}
+        self.batch, self.stat_names = _Batch(), []
+        net = _masked_twin(model, self.batch) if self.batch_norms else model
 
-        def loss(params_T, x, y, mask, count):
-            output = functional_call(model, dict(zip(self.names, params_T)), (x,))
-            return (task.loss(output, y, reduction="none") * mask).sum() / count
+        def loss(params_T, buffers_T, x, y, mask, count):
+            output = self._forward(net, params_T, buffers_T, x, mask, count)
+            stats = self._collected()
+            return (task.loss(output, y, reduction="none") * mask).sum() / count, stats
 
-        # per client: (gradients of the loss, the loss) at its own parameters and batch
-        self._plain = vmap(grad_and_value(loss))
-        self._moon = self._moon_grad_and_loss(model, task, cfg.algorithm) if rule.name == "moon" else None
+        # per client: (gradients of the loss, (the loss, BatchNorm batch statistics)) at its own
+        # parameters and batch
+        self._plain = vmap(grad_and_value(loss, has_aux=True))
+        self._moon = self._moon_grad_and_loss(net, task, cfg.algorithm) if rule.name == "moon" else None
 
-    def _moon_grad_and_loss(self, model, task, hp):
+    def _forward(self, net, params_T, buffers_T, x, mask, count, prefix: str = "", training: bool = True):
+        """``net`` at the given parameters and buffers, in training or eval mode; BatchNorm over
+        the samples of ``mask`` (its statistics collected afresh in ``self.batch``)."""
+        self.batch.mask, self.batch.count, self.batch.names, self.batch.stats = mask, count, [], []
+        net.train(training)
+        tensors = dict(zip([prefix + n for n in self.names], list(params_T) + list(buffers_T)))
+        return functional_call(net, tensors, (x,))
+
+    def _collected(self) -> tuple:
+        """The batch statistics of the training forward just run, their layers' names kept for
+        ``_update_running_stats``."""
+        self.stat_names = self.batch.names
+        return tuple(self.batch.stats)
+
+    def _moon_grad_and_loss(self, net, task, hp):
         """MOON's loss per client (rules.Moon): the data loss plus mu times the contrastive
         cross-entropy of [cos(z, z_glob), cos(z, z_prev)] / tau, the latter only for clients with
-        a previous model (``has_prev`` 1); (gradients, (loss, data loss)) per client."""
-        represent = _Represent(model)
+        a previous model (``has_prev`` 1); the global and previous models in eval mode on their
+        own running statistics; (gradients, (loss, data loss, batch statistics)) per client."""
+        represent = _Represent(net)
 
-        def at(params_T, x):
-            return functional_call(represent, {"net." + n: p for n, p in zip(self.names, params_T)}, (x,))
+        def at(params_T, buffers_T, x, mask, count, training=True):
+            return self._forward(represent, params_T, buffers_T, x, mask, count, "net.", training)
 
-        def loss(params_T, x, y, mask, count, global_T, prev_T, has_prev):
-            z, output = at(params_T, x)
+        def loss(params_T, buffers_T, x, y, mask, count, global_T, global_buffers_T, prev_T, prev_buffers_T,
+                 has_prev):
+            z, output = at(params_T, buffers_T, x, mask, count)
+            stats = self._collected()  # before the frozen models' forwards start afresh
             data_loss = (task.loss(output, y, reduction="none") * mask).sum() / count
-            z_glob, z_prev = at(global_T, x)[0].detach(), at(prev_T, x)[0].detach()
+            z_glob = at(global_T, global_buffers_T, x, mask, count, training=False)[0].detach()
+            z_prev = at(prev_T, prev_buffers_T, x, mask, count, training=False)[0].detach()
             sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1),
                                 F.cosine_similarity(z, z_prev, dim=1)], dim=1) / hp.moon_tau
             labels = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
             contrast = (F.cross_entropy(sims, labels, reduction="none") * mask).sum() / count
-            return data_loss + has_prev * (hp.moon_mu * contrast), data_loss
+            return data_loss + has_prev * (hp.moon_mu * contrast), (data_loss, stats)
 
-        return vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, None, 0, 0))
+        return vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, None, None, 0, 0, 0))
 
     def _gradients(self, params_T, stacks, shared, x, y, mask, count):
-        """Per client: the gradients of its loss at its ``params_T`` on its batch, and its data
-        loss (MOON's without the contrastive term, as rules.Moon returns it)."""
+        """Per client: the gradients of its loss at its ``params_T`` (and its running statistics
+        ``stacks["buffers"]``) on its batch, its data loss (MOON's without the contrastive term, as
+        rules.Moon returns it), and its BatchNorm batch statistics (mean, unbiased variance per
+        layer in ``self.stat_names``' order, [L, C] each)."""
         if self._moon is None:
-            return self._plain(params_T, x, y, mask, count)
-        grads_T, (_, data_loss) = self._moon(params_T, x, y, mask, count, shared["global"], stacks["prev"],
-                                             stacks["has_prev"][0])
-        return grads_T, data_loss
+            grads_T, (loss_L, stats) = self._plain(params_T, stacks["buffers"], x, y, mask, count)
+            return grads_T, loss_L, stats
+        grads_T, (_, (data_loss, stats)) = self._moon(
+            params_T, stacks["buffers"], x, y, mask, count, shared["global"], shared["global_buffers"],
+            stacks["prev"], stacks["prev_buffers"], stacks["has_prev"][0])
+        return grads_T, data_loss, stats
+
+    def _update_running_stats(self, buffers_T: list[torch.Tensor], stats) -> list[torch.Tensor]:
+        """The stacked running statistics after one training forward, as torch's BatchNorm updates
+        them: num_batches_tracked + 1, then running = (1 - m) running + m batch with m the layer's
+        momentum (None: 1 / num_batches_tracked, the cumulative average), the variance unbiased."""
+        index = {e.name: i for i, e in enumerate(self.buffer_entries)}
+        new_T = list(buffers_T)
+        for name, mean_LC, var_LC in zip(self.stat_names, stats[0::2], stats[1::2]):
+            momentum = self.batch_norms[name].momentum
+            i_mean, i_var = index[name + ".running_mean"], index[name + ".running_var"]
+            i_count = index.get(name + ".num_batches_tracked")
+            if i_count is not None:
+                new_T[i_count] = new_T[i_count] + 1
+            factor = momentum if momentum is not None else _per_client(1.0 / new_T[i_count], mean_LC)
+            new_T[i_mean] = mean_LC * factor + new_T[i_mean] * (1 - factor)
+            new_T[i_var] = var_LC * factor + new_T[i_var] * (1 - factor)
+        return new_T
 
     def train_group(self, group: list[tuple[ClientContext, object, int, int, dict]]) -> None:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
@@ -206,8 +341,10 @@ class BatchedTrainer:
         for _, data, *_ in group[:-1]:
             offsets_B.append(offsets_B[-1] + len(data))
 
-        # rule hooks per client, as train_client calls them (model holds global_P)
+        # rule hooks per client, as train_client calls them (model holds global_P, in training
+        # mode: SCAFFOLD option I's start gradient normalises with batch statistics)
         layout.unflatten_into(global_P, self.model)
+        self.model.train()
         for (ctx, data, seed, work, out) in group:
             if rule.needs_start_gradient(hp):
                 ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task)
@@ -224,16 +361,21 @@ class BatchedTrainer:
                     shared[key] = views_BT[0]
                 else:
                     stacks[key] = [torch.stack(views_B) for views_B in zip(*views_BT)]
-        stacks["params"] = [global_P[e.offset:e.offset + e.numel].view(e.shape).expand((B,) + e.shape).clone()
-                            for e in self.param_entries]
+        stacks["params"] = self._stacked(global_P, self.param_entries, B)
+        # each client's running statistics start from the global vector's, integers rounded as
+        # FlatLayout.unflatten_into rounds them for the sequential path
+        stacks["buffers"] = self._stacked(global_P, self.buffer_entries, B)
         if rule.name == "moon":
             # the global model (shared) and each client's previous one (its own, else the global:
             # has_prev 0 leaves it out of the loss)
             shared["global"] = [global_P[e.offset:e.offset + e.numel].view(e.shape) for e in self.param_entries]
+            shared["global_buffers"] = [t[0] for t in stacks["buffers"]]
             prev_BP = torch.stack([ctx.state["prev_P"].to(device) if "prev_P" in ctx.state else global_P
                                    for ctx, *_ in group])
             stacks["prev"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
                               for e in self.param_entries]
+            stacks["prev_buffers"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
+                                      for e in self.buffer_entries]
             stacks["has_prev"] = [torch.tensor([float("prev_P" in ctx.state) for ctx, *_ in group], device=device)]
         if tc.optimizer == "adam":
             stacks["exp_avg"] = [torch.zeros_like(p) for p in stacks["params"]]
@@ -247,9 +389,11 @@ class BatchedTrainer:
                                                     [offsets_B[b] for b in live])
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            grads_T, loss_L = self._gradients(stacks["params"], stacks, shared, x, y, mask, count)
+            grads_T, loss_L, stats = self._gradients(stacks["params"], stacks, shared, x, y, mask, count)
             loss_sum_B[live] += loss_L.detach().double()
             direction_T = self._direction(stacks, shared, grads_T, x, y, mask, count, hp)
+            if stats:  # the step's one update of the running statistics (extra passes leave them)
+                stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)
             done = [j for j, b in enumerate(live) if steps_B[b] == step + 1]
             if done and "last_grad_KP" in needs:
                 for j, last_P in zip(done, self._flat_BP(direction_T, done)):
@@ -265,7 +409,7 @@ class BatchedTrainer:
             if done:
                 # a client that has taken its steps leaves the stacks with its parameters and
                 # state as they are (never stepped again, not even with a zero gradient)
-                for j, params_P in zip(done, self._flat_BP(stacks["params"], done)):
+                for j, params_P in zip(done, self._flat_BP(stacks["params"], done, stacks["buffers"])):
                     ctx, *_, out = group[live[j]]
                     out["params_P"].copy_(params_P)
                     if "mu" in stacks:  # FedSMOO's dual, which ctx.scratch["perturb_dual_P"] holds
@@ -319,14 +463,25 @@ class BatchedTrainer:
             x, y = group_x[index], group_y[index]
         return x, y, mask, mask.sum(1), [s.lr(step) for s in schedules]
 
-    def _flat_BP(self, stacks_T, rows: list[int]) -> torch.Tensor:
+    def _flat_BP(self, stacks_T, rows: list[int], buffers_T=()) -> torch.Tensor:
         """[len(rows), P] flat vectors of the given rows of per-tensor stacks: parameters in layout
-        order, zeros for buffers (the models batched here have none)."""
+        order, then the stacked ``buffers_T`` (BatchNorm statistics), zeros for buffers without."""
         index = torch.tensor(rows, dtype=torch.long, device=stacks_T[0].device)
         flat_BP = torch.zeros(len(rows), self.layout.numel, device=stacks_T[0].device)
-        for e, t in zip(self.param_entries, stacks_T):
+        for e, t in zip(self.param_entries + self.buffer_entries, list(stacks_T) + list(buffers_T)):
             flat_BP[:, e.offset:e.offset + e.numel] = t.index_select(0, index).reshape(len(rows), -1)
         return flat_BP
+
+    def _stacked(self, flat_P: torch.Tensor, entries, B: int) -> list[torch.Tensor]:
+        """The tensors of ``entries`` in ``flat_P``, each repeated for B clients ([B, ...]);
+        integer buffers (num_batches_tracked) rounded, as FlatLayout.unflatten_into does."""
+        stacked = []
+        for e in entries:
+            t = flat_P[e.offset:e.offset + e.numel].view(e.shape)
+            if e.name in self.integer_buffers:
+                t = t.round()
+            stacked.append(t.expand((B,) + e.shape).clone())
+        return stacked
 
     def _direction(self, stacks, shared, grads_T, x, y, mask, count, hp):
         """The step direction of the local rule per client (rules.py has the sequential forms);
@@ -356,7 +511,7 @@ class BatchedTrainer:
     def _grads_at(self, stacks, shared, shift_T, x, y, mask, count):
         """Gradients at w + shift (SAM's extra pass)."""
         shifted_T = [p + e for p, e in zip(stacks["params"], shift_T)]
-        return self._gradients(shifted_T, stacks, shared, x, y, mask, count)[0]
+        return self._gradients(shifted_T, stacks, shared, x, y, mask, count)[0]  # statistics discarded
 
 
 def _lr_factor(lr_L: list[float], like: torch.Tensor):
