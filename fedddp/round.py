@@ -17,7 +17,7 @@ import torch
 
 from . import checkpoint, config, logs, outdir, participation, strategies, tasks
 from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
-from .client import ClientContext, planned_steps, train_client
+from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import rules as local_rules
 from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
 from .data import ClientData, build as build_data
@@ -260,6 +260,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
     model = build_model(cfg, data.input_shape, data.num_classes, data.task).to(device)
+    check_one_sample_batches(model, data.input_shape, data.num_samples, cfg)
     task = tasks.get(data.task)
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()

@@ -350,3 +350,22 @@ def test_world_size_invariance_bitwise_with_batch_norm(tmp_path):
     run_fedddp(args + [f"run.out_dir={tmp_path / 'one'}"], env=env)
     run_fedddp(args + [f"run.out_dir={tmp_path / 'two'}"], nproc=2, env=env)
     assert_same_state(final_state(tmp_path / "one"), final_state(tmp_path / "two"))
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_a_last_batch_of_one_sample_for_batch_norm_is_refused_before_training(tmp_path, size):
+    """Guards against torch's ValueError traceback in the middle of a run: batch 21 leaves the
+    43-sample client a last batch of one sample, whose BatchNorm1d sees one value per channel.
+    Refused before round 1 with one line naming the key and the nearest batch size that works,
+    exit 2, one after another and side by side; batch 20 (the suggestion) trains."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    args = BN_CNN + ["run.rounds=1", f"run.parallel_clients={size}", "run.clients_per_round=12"]
+    proc = run_fedddp(args + ["train.batch_size=21", f"run.out_dir={tmp_path / 'bad'}"], config=None, env=env,
+                      check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert "train.batch_size: 21 leaves client(s) 10 (43 samples) a last batch of one sample" in proc.stderr
+    assert "set train.batch_size = 20" in proc.stderr
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    run_fedddp(args + ["train.batch_size=20", f"run.out_dir={tmp_path / 'good'}"], config=None, env=env)

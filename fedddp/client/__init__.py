@@ -9,11 +9,14 @@ asked for (see fedddp.strategies for their names and shapes).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ..data import ClientData
+from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..tasks import CLASSIFICATION, Task
 from .optim import build_optimizer, epoch_end, lr_at
@@ -45,6 +48,43 @@ def planned_steps(n: int, tc, work: int = 0) -> int:
     if tc.local_steps > 0:
         return work or tc.local_steps
     return (work or tc.local_epochs) * _batches_per_epoch(n, n if tc.batch_size <= 0 else min(tc.batch_size, n))
+
+
+def _last_batch(n: int, batch_size: int) -> int:
+    """Samples in the last batch of an epoch of n samples (a full one when the epoch divides)."""
+    b = n if batch_size <= 0 else min(batch_size, n)
+    return n % b or b
+
+
+def check_one_sample_batches(model, input_shape, num_samples_K: list[int], cfg) -> None:
+    """Refuse, before the first round, a batch size that leaves some client a last batch of one
+    sample when the model has a BatchNorm layer that would then see one value per channel in
+    training: torch raises there, mid-run, after rounds of work. The layers are probed with one
+    sample through a copy of the model (a BatchNorm2d with more than one position per channel
+    normalises a single sample, so it is not refused)."""
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    size = cfg.train.batch_size
+    ones = [c for c, n in enumerate(num_samples_K) if _last_batch(n, size) == 1]
+    if not ones:
+        return
+    device = next(model.parameters()).device
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model).train()(torch.zeros((1,) + tuple(input_shape), device=device))
+        return
+    except ValueError as exc:
+        if "more than 1 value per channel" not in str(exc):
+            raise
+    fits = lambda b: all(_last_batch(n, b) != 1 for n in num_samples_K)  # noqa: E731
+    nearest = min((b for b in range(2, max(num_samples_K) + 2) if fits(b)), key=lambda b: (abs(b - size), b),
+                  default=None)
+    fix = f"set train.batch_size = {nearest}, which leaves no client a batch of one" if nearest else \
+        "drop clients of one sample from the data"
+    shown = ", ".join(f"{c} ({num_samples_K[c]} samples)" for c in ones[:3]) + (" ..." if len(ones) > 3 else "")
+    raise ConfigError(f"train.batch_size: {size} leaves client(s) {shown} a last batch of one sample, and "
+                      f"model.name = {cfg.model.name} has BatchNorm, which cannot normalise one value per "
+                      f"channel in training; {fix}")
 
 
 def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRule, needs: frozenset,
