@@ -25,6 +25,7 @@ index in its group.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -72,9 +73,10 @@ class StackedOptimizer:
                 copy.copy_(p)
         optimizer.epoch_step()
 
-    def rates_L(self, live: list[int], t: int) -> list[float]:
-        """RMSGD's rate of tensor ``t`` for each client stepping."""
-        return [self.lr_B[b] if self.rmsgd_B[b] is None else float(self.rmsgd_B[b].lr_vector[t]) for b in live]
+    def rates_L(self, live: list[int], tensor: int) -> list[float]:
+        """RMSGD's rate of the client tensor ``tensor`` for each client stepping."""
+        return [self.lr_B[b] if self.rmsgd_B[b] is None else float(self.rmsgd_B[b].lr_vector[tensor])
+                for b in live]
 
     def step(self, stacks: dict, direction_T: list[torch.Tensor], lr_L: list[float], t: int, live: list[int]) -> None:
         """One update of every client stepping (``t``: their shared step count, from 1), in place
@@ -142,7 +144,7 @@ def _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T, tc, lr_L, t: int):
 def _rmsgd(params_T, direction_T, momentum_T, tc, rates_TL):
     """RMSGD's step (``rmsgd.RMSGD.step``): SGD's update with weight decay and momentum (dampening
     0, no Nesterov: build_optimizer passes neither), at a rate per tensor and client."""
-    sgd_tc = _NoNesterov(tc.momentum, tc.weight_decay)
+    sgd_tc = SimpleNamespace(momentum=tc.momentum, weight_decay=tc.weight_decay, nesterov=False)
     new_T, new_momentum_T = [], []
     for i, (p, d, rates_L) in enumerate(zip(params_T, direction_T, rates_TL)):
         (new,), buf_T = _sgd([p], [d], None if momentum_T is None else [momentum_T[i]], sgd_tc, rates_L)
@@ -150,11 +152,6 @@ def _rmsgd(params_T, direction_T, momentum_T, tc, rates_TL):
         if buf_T is not None:
             new_momentum_T.append(buf_T[0])
     return new_T, (new_momentum_T if tc.momentum else None)
-
-
-class _NoNesterov:
-    def __init__(self, momentum: float, weight_decay: float):
-        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, False
 
 
 def _adamp(params_T, direction_T, exp_avg_T, exp_avg_sq_T, weight_decay: float, lr_L, t: int):
