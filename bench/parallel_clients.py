@@ -2,10 +2,12 @@
 clients side by side (run.parallel_clients = K), with peak memory.
 
 Runs fedddp's own code on random data of the models' shapes: ``train_client`` for each client
-in turn, and ``BatchedTrainer.train_group`` for all K at once; plain SGD, batch 32, every
-client --steps full batches. Seed 002's CNN on 1x28x28 images, seed 004's FFNN on 14 features,
-and ResNet-18 (CIFAR stem, 3x32x32; side by side its BatchNorm layers are the masked ones of
-fedddp.client.batched, each client's running statistics stacked). On CUDA when present
+in turn, and ``BatchedTrainer.train_group`` for all K at once; plain SGD (--optimizer: any of
+train.optimizer's choices, default hyper-parameters), batch 32, every client --steps full
+batches over --epochs local epochs (RMSGD's epoch_step runs between them). Seed 002's CNN on
+1x28x28 images, seed 004's FFNN on 14 features, and ResNet-18 (CIFAR stem, 3x32x32; side by side
+its BatchNorm layers are the masked ones of fedddp.client.batched, each client's running
+statistics stacked). On CUDA when present
 (--device), else on CPU with one thread. The sequential rate does not depend on K; it is
 measured over min(K, --seq-clients) clients. Each measurement runs in a fresh process after
 one untimed warm-up call; peak memory is the measurement's own: on CUDA
@@ -13,6 +15,7 @@ torch.cuda.max_memory_allocated above what was allocated before it, on CPU the p
 resident memory above its resident memory before it.
 
     python bench/parallel_clients.py [--device cpu|cuda] [--clients 1,10,100,300] [--models cnn,ffnn,resnet18]
+                                     [--optimizer sgd|adam|adamp|rmsgd] [--epochs E]
     python bench/parallel_clients.py --models resnet18 --clients 1,2,4 --steps 2    # ResNet-18 on CPU
 
 ``--batch-norm K`` times instead one ResNet-18 gradient step of K clients side by side: with full
@@ -42,7 +45,8 @@ def rss_mib() -> float:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def measure(model_name: str, num_clients: int, mode: str, steps: int, device_name: str, seq_clients: int) -> dict:
+def measure(model_name: str, num_clients: int, mode: str, steps: int, device_name: str, seq_clients: int,
+            optimizer: str = "sgd", epochs: int = 1) -> dict:
     """One measurement in this process: client steps per second and peak memory (MiB)."""
     import torch
 
@@ -61,6 +65,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
     data_name = "cmapss" if model_name == "ffnn" else "mnist"
     cfg = config.load(None, [f"model.name={model_name}", f"data.name={data_name}", f"train.batch_size={BATCH}",
                              f"train.local_steps={steps}", "train.lr=0.01", "data.num_clients=1000",
+                             f"train.optimizer={optimizer}",
                              f"run.parallel_clients={num_clients if mode == 'batched' else 1}"])
     task = tasks.get("regression" if model_name == "ffnn" else "classification")
     torch.manual_seed(0)
@@ -71,10 +76,11 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
     count = num_clients if mode == "batched" else min(num_clients, seq_clients)
     gen = torch.Generator().manual_seed(1)
     clients = []
+    samples = BATCH * -(-steps // epochs)  # the local steps then span ``epochs`` epochs
     for _ in range(count):
-        x = torch.randn((BATCH * steps,) + shape, generator=gen).to(device)
-        y = (torch.rand(BATCH * steps, generator=gen) if model_name == "ffnn" else
-             torch.randint(0, classes, (BATCH * steps,), generator=gen)).to(device)
+        x = torch.randn((samples,) + shape, generator=gen).to(device)
+        y = (torch.rand(samples, generator=gen) if model_name == "ffnn" else
+             torch.randint(0, classes, (samples,), generator=gen)).to(device)
         clients.append(ClientData(x, y))
     rows_KP = torch.empty(count, layout.numel, device=device)
 
@@ -187,6 +193,9 @@ def main() -> None:
     parser.add_argument("--seq-clients", type=int, default=10, help="clients timed one after another")
     parser.add_argument("--batch-norm", type=int, default=0, metavar="K",
                         help="time ResNet-18's masked BatchNorm against torch's for K clients side by side")
+    parser.add_argument("--optimizer", default="sgd", help="train.optimizer: sgd, adam, adamp or rmsgd")
+    parser.add_argument("--epochs", type=int, default=1, help="local epochs the --steps span (each client holds "
+                                                               "steps / epochs batches)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # model,K,mode: one measurement, JSON out
     args = parser.parse_args()
     if args.batch_norm:
@@ -199,13 +208,15 @@ def main() -> None:
         args.models = "cnn,ffnn,resnet18" if args.device == "cuda" else "cnn,ffnn"
     if args.one:
         model_name, k, mode = args.one.split(",")
-        print(json.dumps(measure(model_name, int(k), mode, args.steps, args.device, args.seq_clients)))
+        print(json.dumps(measure(model_name, int(k), mode, args.steps, args.device, args.seq_clients,
+                                 args.optimizer, args.epochs)))
         return
     device_text = args.device
     if args.device == "cuda":
         import torch
         device_text = torch.cuda.get_device_name()
-    print(f"device {device_text}; batch {BATCH}, {args.steps} local steps per client, plain SGD; "
+    print(f"device {device_text}; batch {BATCH}, {args.steps} local steps per client over {args.epochs} "
+          f"epoch(s), {args.optimizer}; "
           f"CPU: 1 thread; load average before: {os.getloadavg()[0]:.1f}\n")
     print("| model | clients K | sequential steps/s | side by side steps/s | speed-up | peak MiB sequential "
           "| peak MiB side by side |")
@@ -216,7 +227,8 @@ def main() -> None:
             for mode in ("sequential", "batched"):
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{model_name},{k},{mode}",
                                        "--device", args.device, "--steps", str(args.steps),
-                                       "--seq-clients", str(args.seq_clients)],
+                                       "--seq-clients", str(args.seq_clients), "--optimizer", args.optimizer,
+                                       "--epochs", str(args.epochs)],
                                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
                 if proc.returncode != 0:
                     last = (proc.stderr.strip().splitlines() or ["?"])[-1]

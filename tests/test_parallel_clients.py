@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fedddp import config
-from fedddp.client import batched
+from fedddp.client import batched, batched_optim
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError
@@ -164,8 +164,6 @@ def test_world_size_invariance_bitwise_for_fixed_b(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,words", [
-    (["train.optimizer=rmsgd"], "train.optimizer = rmsgd is not batched"),
-    (["train.optimizer=adamp"], "train.optimizer = adamp is not batched"),
     (["model.name=resnet18", "data.name=cifar10", "model.flat_buffers=false"], "model.flat_buffers=true"),
     (["run.parallel_clients=0"], "must be >= 1")])
 def test_what_is_not_batched_is_a_config_error_naming_the_fix(overrides, words):
@@ -173,6 +171,13 @@ def test_what_is_not_batched_is_a_config_error_naming_the_fix(overrides, words):
         config.load(None, ["run.parallel_clients=4"] + overrides)
     assert words in str(err.value)
     assert "run.parallel_clients" in str(err.value)
+
+
+@pytest.mark.parametrize("optimizer", ["adamp", "rmsgd"])
+def test_adamp_and_rmsgd_are_batched(optimizer):
+    """AdamP and RMSGD have stacked forms (fedddp.client.batched_optim), so side by side accepts
+    them (tests/test_batched_optim.py compares them with the packages)."""
+    config.load(None, ["run.parallel_clients=4", f"train.optimizer={optimizer}"])
 
 
 def test_batch_norm_without_flat_buffers_or_other_buffers_are_refused_when_built():
@@ -209,7 +214,7 @@ def test_nesterov_update_is_torch_sgd():
 
     params_T, momentum_T = [w_B2.clone()], None
     for g in grads:
-        params_T, momentum_T = batched._sgd(params_T, [g], momentum_T, Tc, [0.1, 0.1])
+        params_T, momentum_T = batched_optim._sgd(params_T, [g], momentum_T, Tc, [0.1, 0.1])
     for b in range(2):
         p = w_B2[b].clone().requires_grad_(True)
         opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True)

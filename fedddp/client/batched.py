@@ -16,8 +16,10 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
   its parameters), so it is never stepped again, not even with a zero gradient (which momentum
   or weight decay would turn into a move), and the rest of its group stops paying for it;
 - learning rate per client and step (``lr_at`` on its own epoch clock);
-- optimizers as functional updates of the stacked state, written as torch's (SGD with
-  momentum, weight decay and Nesterov; Adam); AdamP and RMSGD are refused (config check);
+- optimizers as functional updates of the stacked state (``batched_optim``), written from the
+  sequential path's (torch's SGD and Adam; the ``adamp`` package's AdamP, its projection chosen
+  per client; the ``rmsgd`` package's RMSGD, its per-tensor rates computed by the package per
+  client at that client's own epoch boundaries);
 - local rules: their ``begin`` and ``end`` hooks run per client as in the sequential path (the
   state they read and write is the same), and their per-step direction is written here over
   the stacks (plain, prox, scaffold, moon, sam, gam, gam_cv, smoo);
@@ -53,7 +55,6 @@ size (``fedddp.sampling.assign_groups``).
 from __future__ import annotations
 
 import copy
-import math
 import time
 
 import torch
@@ -64,12 +65,11 @@ from torch.func import functional_call, grad_and_value, vmap
 from ..errors import ConfigError
 from ..flat import FlatLayout
 from . import ClientContext, full_batch_gradient, planned_steps, start_gradient
+from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 from .optim import lr_at
 
 RULES = ("plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo")
-OPTIMIZERS = ("sgd", "adam")
 BATCH_NORM_MODELS = ("resnet18",)  # the built-ins with BatchNorm (plugin models are checked when built)
-ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 
 
 def check(cfg) -> list[str]:
@@ -144,11 +144,6 @@ class _Represent(nn.Module):
     def forward(self, x):
         z = self.net.represent(x)
         return z, self.net.head(z)
-
-
-def _per_client(values_L: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[L] reshaped to broadcast over a stacked [L, ...] tensor."""
-    return values_L.view((-1,) + (1,) * (like.dim() - 1))
 
 
 def _ascent(grads_T, rho: float, eps: float):
@@ -377,14 +372,15 @@ class BatchedTrainer:
             stacks["prev_buffers"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
                                       for e in self.buffer_entries]
             stacks["has_prev"] = [torch.tensor([float("prev_P" in ctx.state) for ctx, *_ in group], device=device)]
-        if tc.optimizer == "adam":
-            stacks["exp_avg"] = [torch.zeros_like(p) for p in stacks["params"]]
-            stacks["exp_avg_sq"] = [torch.zeros_like(p) for p in stacks["params"]]
+        optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
 
         live = list(range(B))
         for step in range(max(steps_B)):
+            for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
+                if step % schedules[b].per_epoch == 0 and step > 0:
+                    optimizer.epoch_start(b, [p[j] for p in stacks["params"]])
             x, y, mask, count, lr_L = self._batches([schedules[b] for b in live], step, device, group_x, group_y,
                                                     [offsets_B[b] for b in live])
             for b, lr in zip(live, lr_L):
@@ -398,14 +394,7 @@ class BatchedTrainer:
             if done and "last_grad_KP" in needs:
                 for j, last_P in zip(done, self._flat_BP(direction_T, done)):
                     group[live[j]][4]["last_grad_P"].copy_(last_P)
-            # the optimizer: torch's update, over the stacked state
-            if tc.optimizer == "sgd":
-                stacks["params"], momentum_T = _sgd(stacks["params"], direction_T, stacks.get("momentum"), tc, lr_L)
-                if momentum_T is not None:
-                    stacks["momentum"] = momentum_T
-            else:
-                stacks["params"], stacks["exp_avg"], stacks["exp_avg_sq"] = _adam(
-                    stacks["params"], direction_T, stacks["exp_avg"], stacks["exp_avg_sq"], tc, lr_L, step + 1)
+            optimizer.step(stacks, direction_T, lr_L, step + 1, live)
             if done:
                 # a client that has taken its steps leaves the stacks with its parameters and
                 # state as they are (never stepped again, not even with a zero gradient)
@@ -512,45 +501,3 @@ class BatchedTrainer:
         """Gradients at w + shift (SAM's extra pass)."""
         shifted_T = [p + e for p, e in zip(stacks["params"], shift_T)]
         return self._gradients(shifted_T, stacks, shared, x, y, mask, count)[0]  # statistics discarded
-
-
-def _lr_factor(lr_L: list[float], like: torch.Tensor):
-    """The clients' learning rates: a float when they share one (the common case), else [L]."""
-    if all(lr == lr_L[0] for lr in lr_L):
-        return lr_L[0]
-    return _per_client(torch.tensor(lr_L, device=like.device), like)
-
-
-def _sgd(params_T, direction_T, momentum_T, tc, lr_L):
-    """torch.optim.SGD's update (dampening 0); the momentum buffer starts as the first direction."""
-    nesterov = getattr(tc, "nesterov", False)
-    new_T, new_momentum_T = [], []
-    for i, (p, d) in enumerate(zip(params_T, direction_T)):
-        if tc.weight_decay:
-            d = d.add(p, alpha=tc.weight_decay)
-        if tc.momentum:
-            buf = d.clone() if momentum_T is None else momentum_T[i] * tc.momentum + d
-            new_momentum_T.append(buf)
-            d = d.add(buf, alpha=tc.momentum) if nesterov else buf
-        lr = _lr_factor(lr_L, p)
-        new_T.append(p.add(d, alpha=-lr) if isinstance(lr, float) else p - lr * d)
-    return new_T, (new_momentum_T if tc.momentum else None)
-
-
-def _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T, tc, lr_L, t: int):
-    """torch.optim.Adam's update (no amsgrad), step count t shared by the clients stepping."""
-    beta1, beta2 = ADAM_BETAS
-    bias_correction1, bias_correction2_sqrt = 1 - beta1 ** t, math.sqrt(1 - beta2 ** t)
-    new_T, new_avg_T, new_sq_T = [], [], []
-    for p, g, avg, sq in zip(params_T, direction_T, exp_avg_T, exp_avg_sq_T):
-        if tc.weight_decay:
-            g = g.add(p, alpha=tc.weight_decay)
-        avg = avg.lerp(g, 1 - beta1)
-        sq = sq.mul(beta2).addcmul(g, g, value=1 - beta2)
-        denom = (sq.sqrt() / bias_correction2_sqrt).add(ADAM_EPS)
-        lr = _lr_factor(lr_L, p)
-        new_T.append(p.addcdiv(avg, denom, value=-lr / bias_correction1) if isinstance(lr, float)
-                     else p - (lr / bias_correction1) * avg / denom)
-        new_avg_T.append(avg)
-        new_sq_T.append(sq)
-    return new_T, new_avg_T, new_sq_T
