@@ -147,6 +147,7 @@ class TrainConfig:
                          ("sgd", "adam", "adamp", "rmsgd"))
     lr: float = opt(0.01, "Client learning rate.")
     momentum: float = opt(0.0, "SGD momentum.")
+    nesterov: bool = opt(False, "Nesterov momentum for sgd (torch.optim.SGD's nesterov; needs momentum > 0).")
     weight_decay: float = opt(0.0, "Weight decay.")
     batch_size: int = opt(10, "Local minibatch size (0: full batch).")
     local_epochs: int = opt(1, "Local epochs per round (ignored when local_steps > 0).")

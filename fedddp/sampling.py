@@ -46,11 +46,17 @@ def client_seed(seed: int, round_idx: int, client_id: int) -> int:
     return _mix(_CLIENT_STREAM, seed, round_idx, client_id)
 
 
+def batch_size_of(num_samples: int, batch_size: int) -> int:
+    """A client's minibatch size: train.batch_size, all its samples when that is <= 0 (full
+    batch), and never more than it has."""
+    return num_samples if batch_size <= 0 else min(batch_size, num_samples)
+
+
 def expected_cost(num_samples: int, tc) -> int:
     """Samples a client's local training processes in a round (``tc``: the train config): the
     unit of work by which clients are balanced over ranks."""
     if tc.local_steps > 0:
-        return tc.local_steps * (num_samples if tc.batch_size <= 0 else min(tc.batch_size, num_samples))
+        return tc.local_steps * batch_size_of(num_samples, tc.batch_size)
     return tc.local_epochs * num_samples
 
 

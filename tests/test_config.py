@@ -208,3 +208,13 @@ def test_cli_out_of_range_seed_exits_2_in_one_line(tmp_path):
                            f"run.out_dir={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "run.seed: 99999999999999999999999 is out of range" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides", [["train.nesterov=true"],
+                                       ["train.nesterov=true", "train.momentum=0.9", "train.optimizer=adam"]])
+def test_nesterov_without_sgd_momentum_is_refused(overrides):
+    """torch's SGD raises on Nesterov without momentum, and the other optimizers have none: one
+    line naming train.nesterov, not a traceback when the first client builds its optimizer."""
+    with pytest.raises(ConfigError, match="train.nesterov: needs train.optimizer = sgd and train.momentum > 0"):
+        config.load(None, overrides)
+    config.load(None, ["train.nesterov=true", "train.momentum=0.9"])

@@ -79,6 +79,7 @@ def test_every_batched_rule_equals_sequential(tmp_path, name, extra):
 
 
 OPTIMIZERS = [["train.optimizer=sgd"], ["train.optimizer=sgd", "train.momentum=0.9", "train.weight_decay=0.01"],
+              ["train.momentum=0.9", "train.nesterov=true", "train.weight_decay=0.01"],
               ["train.optimizer=adam", "train.lr=0.01", "train.weight_decay=0.01"],
               ["train.lr_schedule=steplr", "train.lr_schedule_unit=epoch", "train.lr_step_size=1",
                "train.momentum=0.5"]]

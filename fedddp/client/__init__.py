@@ -18,6 +18,7 @@ from torch import nn
 from ..data import ClientData
 from ..errors import ConfigError
 from ..flat import FlatLayout
+from ..sampling import batch_size_of
 from ..tasks import CLASSIFICATION, Task
 from .optim import build_optimizer, epoch_end, lr_at
 from .rules import LocalRule, param_views
@@ -38,8 +39,10 @@ class ClientContext:
     task: Task = CLASSIFICATION  # the data's loss (cross-entropy or MSE), fedddp.tasks
 
 
-def _batches_per_epoch(n: int, batch_size: int) -> int:
-    return 1 if batch_size <= 0 else -(-n // batch_size)
+def batches_per_epoch(n: int, batch_size: int) -> int:
+    """Minibatches in an epoch of n samples, the last one partial when they do not divide."""
+    b = batch_size_of(n, batch_size)
+    return 1 if b <= 0 else -(-n // b)
 
 
 def planned_steps(n: int, tc, work: int = 0) -> int:
@@ -47,12 +50,12 @@ def planned_steps(n: int, tc, work: int = 0) -> int:
     train.local_steps > 0; 0: the configured ones, fedddp.participation draws uneven ones)."""
     if tc.local_steps > 0:
         return work or tc.local_steps
-    return (work or tc.local_epochs) * _batches_per_epoch(n, n if tc.batch_size <= 0 else min(tc.batch_size, n))
+    return (work or tc.local_epochs) * batches_per_epoch(n, tc.batch_size)
 
 
 def _last_batch(n: int, batch_size: int) -> int:
     """Samples in the last batch of an epoch of n samples (a full one when the epoch divides)."""
-    b = n if batch_size <= 0 else min(batch_size, n)
+    b = batch_size_of(n, batch_size)
     return n % b or b
 
 
@@ -96,8 +99,8 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     tc = cfg.train
     device = ctx.global_P.device
     n = len(data)
-    batch_size = n if tc.batch_size <= 0 else min(tc.batch_size, n)
-    per_epoch = _batches_per_epoch(n, batch_size)
+    batch_size = batch_size_of(n, tc.batch_size)
+    per_epoch = batches_per_epoch(n, tc.batch_size)
     total_steps = planned_steps(n, tc, work)
     epochs_before = (ctx.round_idx - 1) * tc.local_epochs
 

@@ -64,7 +64,8 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from ..errors import ConfigError
 from ..flat import FlatLayout
-from . import ClientContext, full_batch_gradient, planned_steps, start_gradient
+from ..sampling import batch_size_of
+from . import ClientContext, batches_per_epoch, full_batch_gradient, planned_steps, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 from .optim import lr_at
 
@@ -110,8 +111,7 @@ class _Schedule:
     def __init__(self, cid, data, tc, augment: bool, round_idx: int, seed: int, work: int, device):
         self.cid, self.data, self.tc, self.augment = cid, data, tc, augment
         n = len(data)
-        self.batch_size = n if tc.batch_size <= 0 else min(tc.batch_size, n)
-        self.per_epoch = -(-n // self.batch_size)
+        self.batch_size, self.per_epoch = batch_size_of(n, tc.batch_size), batches_per_epoch(n, tc.batch_size)
         self.steps = planned_steps(n, tc, work)
         self.round_idx, self.epochs_before = round_idx, (round_idx - 1) * tc.local_epochs
         self.gen = torch.Generator().manual_seed(seed)
@@ -234,6 +234,7 @@ class BatchedTrainer:
         self.batch_norms = {name: m for name, m in model.named_modules()
                             if isinstance(m, nn.modules.batchnorm._BatchNorm)}
         self.integer_buffers = {n for n, b in model.named_buffers() if not b.dtype.is_floating_point}
+        self.buffer_index = {e.name: i for i, e in enumerate(self.buffer_entries)}  # position in stacks["buffers"]
         self.batch, self.stat_names = _Batch(), []
         net = _masked_twin(model, self.batch) if self.batch_norms else model
 
@@ -303,7 +304,7 @@ class BatchedTrainer:
         """The stacked running statistics after one training forward, as torch's BatchNorm updates
         them: num_batches_tracked + 1, then running = (1 - m) running + m batch with m the layer's
         momentum (None: 1 / num_batches_tracked, the cumulative average), the variance unbiased."""
-        index = {e.name: i for i, e in enumerate(self.buffer_entries)}
+        index = self.buffer_index
         new_T = list(buffers_T)
         for name, mean_LC, var_LC in zip(self.stat_names, stats[0::2], stats[1::2]):
             momentum = self.batch_norms[name].momentum

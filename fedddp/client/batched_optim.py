@@ -108,7 +108,7 @@ def _lr_factor(lr_L: list[float], like: torch.Tensor):
 
 def _sgd(params_T, direction_T, momentum_T, tc, lr_L):
     """torch.optim.SGD's update (dampening 0); the momentum buffer starts as the first direction."""
-    nesterov = getattr(tc, "nesterov", False)
+    nesterov = tc.nesterov
     new_T, new_momentum_T = [], []
     for i, (p, d) in enumerate(zip(params_T, direction_T)):
         if tc.weight_decay:

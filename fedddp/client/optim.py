@@ -3,7 +3,7 @@
 Optimizer state policy: a client gets a fresh optimizer every round (the papers' default; no
 momentum buffer, Adam moment or RMSGD metric survives between rounds).
 
-  sgd    torch SGD (train.momentum, train.weight_decay)
+  sgd    torch SGD (train.momentum, train.weight_decay, train.nesterov)
   adam   torch Adam, betas (0.9, 0.999)
   adamp  the ``adamp`` package (Heo et al. 2021): betas (0.9, 0.999), delta 0.1, wd_ratio 0.1
   rmsgd  the ``rmsgd`` package (Hosseini et al.): RMSGD(params, lr, beta, momentum, weight_decay);
@@ -54,7 +54,7 @@ def lr_at(tc, round_idx: int, epochs_done: int) -> float:
 def build_optimizer(tc, params, lr: float) -> torch.optim.Optimizer:
     params = list(params)
     if tc.optimizer == "sgd":
-        return _SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+        return _SGD(params, lr=lr, momentum=tc.momentum, weight_decay=tc.weight_decay, nesterov=tc.nesterov)
     if tc.optimizer == "adam":
         return _Adam(params, lr=lr, betas=(0.9, 0.999), weight_decay=tc.weight_decay)
     if tc.optimizer == "adamp":
@@ -88,6 +88,9 @@ def check_optimizer(tc) -> list[str]:
         errors.append("train.lr_schedule_unit: rmsgd sets its own per-layer rates and ignores a rate "
                       "changed between the local epochs of a round; use lr_schedule_unit = round, "
                       "local_epochs = 1, or lr_schedule = none (as the thesis runs RMSGD)")
+    if tc.nesterov and (tc.optimizer != "sgd" or tc.momentum <= 0):
+        errors.append(f"train.nesterov: needs train.optimizer = sgd and train.momentum > 0 (got {tc.optimizer}, "
+                      f"momentum {tc.momentum}); set train.nesterov = false")
     if not 0.0 <= tc.rmsgd_beta < 1.0:
         errors.append(f"train.rmsgd_beta: must be in [0, 1), got {tc.rmsgd_beta}")
     if tc.momentum > 0 and tc.optimizer in ("adam", "adamp"):
