@@ -1,22 +1,27 @@
 """Submit one fedddp run to Slurm through submitit: one task (rank) per GPU, requeued on
 preemption or time-out, resuming from the last checkpoint.
 
-  python launch/submit.py CONFIG.toml [section.key=value ...] [launcher flags]
+  python -m fedddp.slurm CONFIG.toml [section.key=value ...] [launcher flags]
 
-  python launch/submit.py configs/feder_cifar100.toml --nodes 1 --gpus-per-node 4 \\
+  python -m fedddp.slurm configs/feder_cifar100.toml --nodes 1 --gpus-per-node 4 \\
       --partition PARTITION --account ACCOUNT --time 24:00:00 --output runs/slurm/%j
-  python launch/submit.py configs/quickstart.toml run.rounds=5 --local --gpus-per-node 0 --tasks-per-node 2
+  python -m fedddp.slurm configs/quickstart.toml run.rounds=5 --local --gpus-per-node 0 --tasks-per-node 2
 
-Cluster settings are launcher flags, never part of the experiment config. The config, its
-overrides and every client's data are checked here, before anything is queued, as by
-``python -m fedddp --check`` (fedddp's one line and status: 2 config, 3 data; --no-data-check
-checks the config alone, for data only the compute nodes see). With --wait a failed run ends
-with its rank's line and fedddp's status (6: a rank stopped answering).
+(``python launch/submit.py`` in a checkout is the same command.) Cluster settings are launcher
+flags, never part of the experiment config. The config, its overrides and every client's data
+are checked here, before anything is queued, as by ``python -m fedddp --check`` (fedddp's one
+line and status: 2 config, 3 data; --no-data-check checks the config alone, for data only the
+compute nodes see). With --wait a failed run ends with its rank's line and fedddp's status (6: a
+rank stopped answering).
 
 Requeue: Slurm sends USR2 to the tasks before the time limit or on preemption (--signal-delay
 seconds ahead); submitit calls ``Trainer.checkpoint`` on rank 0, which resubmits the same run
 with ``run.resume=true``, and requeues the job. The requeued run continues from the newest
 complete checkpoint, so set ``run.ckpt_every`` (what was done since it is redone, identically).
+
+fedddp.sweep --slurm submits its job arrays with this module's executor and task. Part of the
+package (not a script beside it) so that an installed fedddp has it, and so that submitit
+pickles the task by reference: a worker needs fedddp installed, nothing else.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import shutil
 import sys
 import tempfile
 
+from .__main__ import check as fedddp_check  # first: it sets torch's allocator options
+
 import submitit
 
-from fedddp import config as fedddp_config
-from fedddp import env as fedddp_env
-from fedddp.__main__ import check as fedddp_check
-from fedddp.errors import ConfigError, UserError
+from . import config as fedddp_config
+from . import env as fedddp_env
+from .errors import ConfigError, UserError
 
 RESUME = "run.resume=true"
 # How a task's failure reads in submitit's error text: the status and fedddp's line.
@@ -48,13 +54,13 @@ class Trainer(submitit.helpers.Checkpointable):
         self.argv = list(argv)
 
     def __call__(self) -> int:
-        from fedddp.__main__ import main
+        from .__main__ import main
 
         export_rendezvous()
         var = fedddp_env.STATUS_FILE_VAR
         with tempfile.TemporaryDirectory() as folder:
             own = var not in os.environ
-            # In a job, the job's folder, where submit.py --wait finds it even after a task that
+            # In a job, the job's folder, where --wait finds it even after a task that
             # ended without returning (a rank that finds another stalled exits at once).
             job = submitit.JobEnvironment() if os.environ.get("SUBMITIT_EXECUTOR") else None
             path = os.environ.setdefault(var, status_path(job.paths.folder, job.job_id) if job
@@ -65,7 +71,7 @@ class Trainer(submitit.helpers.Checkpointable):
                 if own:
                     del os.environ[var]
             line = _status_line(path) if status != 0 else ""
-        if status != 0:  # submitit reports the job failed, with this text; submit.py --wait reads it back
+        if status != 0:  # submitit reports the job failed, with this text; --wait reads it back
             raise RuntimeError(f"fedddp exited with status {status}: {line or 'see this task stderr'}")
         return status
 
@@ -131,9 +137,12 @@ def minutes(text: str) -> int:
     return total + int(days or 0) * 24 * 60
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+PROG = "python -m fedddp.slurm"
+
+
+def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="launch/submit.py", description=__doc__.split("\n\n")[0],
+        prog=prog, description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="experiment TOML (configs/...)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, as for python -m fedddp")
@@ -202,9 +211,9 @@ class RunError(Exception):
         self.exit_code = error.exit_code
 
 
-def submit(argv: list[str]):
+def submit(argv: list[str], prog: str = PROG):
     """Parse, check and submit; returns the submitit job and the parsed flags."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     try:
         run_argv, cfg = checked_argv(args)
     except UserError as exc:
@@ -218,9 +227,12 @@ def submit(argv: list[str]):
     return job, args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The command: 0 submitted (with --wait: done); fedddp's status for a config (2) or data (3)
+    mistake found before queueing, or, with --wait, the failed run's; 1 a job that failed
+    without saying why."""
     try:
-        job, args = submit(sys.argv[1:] if argv is None else argv)
+        job, args = submit(sys.argv[1:] if argv is None else argv, prog)
     except RunError as exc:
         print(f"fedddp: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -244,10 +256,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
-else:
-    # Imported (e.g. by a test): pickle the task by value, as for a script, so a worker needs
-    # fedddp installed but not this folder on its import path.
-    import cloudpickle
+    # Through the package's module, not this __main__ copy: submitit pickles Trainer by
+    # reference, and a worker can import fedddp.slurm.Trainer but not __main__.Trainer.
+    from fedddp.slurm import main as package_main
 
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    sys.exit(package_main())
