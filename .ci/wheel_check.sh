@@ -9,7 +9,7 @@
 # a one-round quickstart and check that its start line names the C kernels, built from the
 # installed kernels.c; and parse a sweep's --slurm flags through the installed fedddp.slurm.
 #
-#   bash .ci/wheel_check.sh        (PYTHON=python3.11 to pick the interpreter; about 20 s)
+#   bash .ci/wheel_check.sh        (PYTHON=python3.11 to pick the interpreter; 9-21 s on a shared 2 cores)
 #
 # Needs setuptools and wheel (pyproject.toml's build requirements) and a C compiler (cc or
 # $CC), no network: the build does not isolate itself, the install takes no dependencies.
