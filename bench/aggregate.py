@@ -98,6 +98,9 @@ def copy_bandwidth(device) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
+MODELS = ("cnn-mnist", "resnet18-c100")   # --models names (--smoke: "smoke")
+
+
 def model_layouts():
     """(name, P, conv_group_P, L) for seed 002's CNN on MNIST and ResNet-18 on CIFAR-100
     (--smoke: a made-up 1,001-column layout of 3 conv layers)."""
@@ -106,14 +109,14 @@ def model_layouts():
         return [("smoke", group_P.numel(), group_P, 3)]
     try:
         from fedddp.models import cnn, resnet18
-        nets = [("cnn-mnist", cnn((1, 28, 28), 10)), ("resnet18-c100", resnet18((3, 32, 32), 100))]
+        nets = list(zip(MODELS, (cnn((1, 28, 28), 10), resnet18((3, 32, 32), 100))))
     except ImportError:
         # Fallback: the same architectures built here (two 5x5 convs: 1->32, 32->64, FC 1024->512->10).
         import torchvision
         from torch import nn
         small = nn.Sequential(nn.Conv2d(1, 32, 5), nn.Conv2d(32, 64, 5), nn.Flatten(),
                               nn.Linear(64 * 4 * 4, 512), nn.Linear(512, 10))
-        nets = [("cnn-mnist", small), ("resnet18-c100", torchvision.models.resnet18(num_classes=100))]
+        nets = list(zip(MODELS, (small, torchvision.models.resnet18(num_classes=100))))
     out = []
     for name, net in nets:
         layout = FlatLayout(net)
@@ -199,7 +202,7 @@ def main() -> None:
     parser.add_argument("--counts", default=None,
                         help="comma-separated client counts K (default 4,32,100; --quick: 4,32)")
     parser.add_argument("--models", default=None,
-                        help="comma-separated subset of cnn-mnist,resnet18-c100 (default both)")
+                        help=f"comma-separated subset of {','.join(MODELS)} (default both)")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive compositions")
     parser.add_argument("--no-torch-form", action="store_true",
                         help="skip timing the rules' torch-op form")
@@ -233,7 +236,14 @@ def main() -> None:
     counts = (3,) if args.smoke else (4, 32) if args.quick else (4, 32, 100)
     if args.counts:
         counts = tuple(int(k) for k in args.counts.split(","))
-    models = args.models.split(",") if args.models else None
+    models = [m for m in args.models.split(",") if m] if args.models else None
+    # a name that matches nothing was an empty table: refused in one line instead
+    for kind, asked, valid in (("rule", rules, tuple(RULES)),
+                               ("model", models or (), ("smoke",) if SMOKE else MODELS)):
+        unknown = [name for name in asked if name not in valid]
+        if unknown:
+            parser.exit(2, f"bench/aggregate.py: unknown {kind}(s) {', '.join(unknown)}; valid: "
+                           f"{', '.join(valid)}\n")
     start = time.perf_counter()
 
     bandwidth = copy_bandwidth(device)

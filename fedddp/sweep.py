@@ -2,7 +2,7 @@
 
     python -m fedddp.sweep CONFIG [key=v1,v2 ...] [--out DIR] [--set key=value] [--dry-run] [--parallel J]
                            [--ranks N]
-    python -m fedddp.sweep CONFIG [key=v1,v2 ...] --slurm [launch/submit.py flags, e.g. --partition P]
+    python -m fedddp.sweep CONFIG [key=v1,v2 ...] --slurm [fedddp.slurm flags, e.g. --partition P]
 
     python -m fedddp.sweep configs/quickstart.toml algorithm.name=fedavg,fedmom run.seed=0,1,2 --out runs/cmp
     python -m fedddp.summary runs/cmp                     mean +- std over the seeds, per algorithm
@@ -24,7 +24,7 @@ continued after a crash or a time limit. A folder that holds a run with other se
 refused, never overwritten. --parallel J runs J combinations at once; on a GPU machine each gets
 its own --ranks GPUs through CUDA_VISIBLE_DEVICES. --slurm submits one submitit job array, a
 task per pending combination (each task: one rank per GPU, requeued with run.resume=true on
-preemption or time-out, as launch/submit.py does); its flags follow launch/submit.py's.
+preemption or time-out, as python -m fedddp.slurm does); its flags follow fedddp.slurm's.
 
 Exit status: 0 every run done; 1 some run failed (named, with its log); 2 bad configuration.
 """
@@ -32,7 +32,6 @@ Exit status: 0 every run done; 1 some run failed (named, with its log); 2 bad co
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import os
 import queue
@@ -344,27 +343,15 @@ def record_command(out: str, argv: list[str]) -> None:
         fh.write(f"{when} commit {code_version()}: python -m fedddp.sweep {shlex.join(argv)}\n")
 
 
-def _load_submit():
-    """launch/submit.py (a script beside the package, not part of it): its executor and its
-    requeueing Trainer task."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch", "submit.py")
-    if not os.path.exists(path):
-        raise ConfigError(f"--slurm: needs launch/submit.py from the fedddp repository ({path} not found)")
-    spec = importlib.util.spec_from_file_location("fedddp_launch_submit", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def run_slurm(submit, slurm_args, base: str, points: list[Point], ranks: int) -> list:
-    """One submitit job array, a task per pending combination; returns the jobs."""
+def run_slurm(slurm, slurm_args, base: str, points: list[Point], ranks: int) -> list:
+    """One submitit job array, a task per pending combination (fedddp.slurm's executor and
+    requeueing Trainer task); returns the jobs."""
     if slurm_args.tasks_per_node is None and ranks > 1:
         slurm_args.tasks_per_node = ranks
-    executor = submit.make_executor(slurm_args)
+    executor = slurm.make_executor(slurm_args)
     todo = [p for p in points if p.status != "done"]
     with executor.batch():
-        jobs = [executor.submit(submit.Trainer(run_argv(base, p))) for p in todo]
+        jobs = [executor.submit(slurm.Trainer(run_argv(base, p))) for p in todo]
     for point, job in zip(todo, jobs):
         print(f"submitted {job.job_id}: {point.name}")
     return jobs
@@ -383,16 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks per run; > 1 starts each through torchrun")
     parser.add_argument("--slurm", action="store_true",
-                        help="submit one submitit job array; other flags go to launch/submit.py")
+                        help="submit one submitit job array; other flags are fedddp.slurm's")
     args, rest = parser.parse_known_intermixed_args(argv)
     try:
         if rest and not args.slurm:
-            raise ConfigError(f"unknown flag(s) {' '.join(rest)} (launch/submit.py flags need --slurm)")
-        submit = slurm_args = None
+            raise ConfigError(f"unknown flag(s) {' '.join(rest)} (fedddp.slurm flags need --slurm)")
+        slurm = slurm_args = None
         if args.slurm:
-            submit = _load_submit()
+            from . import slurm  # submitit, imported only for --slurm
             # axes written after a launcher flag land among the launcher's positionals
-            slurm_args = submit.parse_args([args.config] + rest)
+            slurm_args = slurm.parse_args([args.config] + rest, prog="python -m fedddp.sweep --slurm")
             args.axes += slurm_args.overrides
         if args.parallel < 1 or args.ranks < 1:
             raise ConfigError("--parallel and --ranks: must be >= 1")
@@ -408,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         write_base(raw, base, args.config)
         record_command(out, argv if argv is not None else sys.argv[1:])
         if args.slurm:
-            run_slurm(submit, slurm_args, base, points, args.ranks)
+            run_slurm(slurm, slurm_args, base, points, args.ranks)
             return 0
         return run_local(base, out, points, args.parallel, args.ranks)
     except UserError as exc:

@@ -125,6 +125,24 @@ def test_without_a_compiler_the_rules_fall_back_to_torch_ops(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_missing_source_says_the_install_is_incomplete(tmp_path, monkeypatch, capsys):
+    """A package built without its package data had no kernels.c, and the line said to install
+    a C compiler: it says the install is incomplete, and so does the run's start line."""
+    for name, value in (("_loaded", None), ("_failure", None), ("_forms", None),
+                        ("SOURCE", str(tmp_path / "kernels.c"))):
+        monkeypatch.setattr(kernels, name, value)
+    monkeypatch.setattr(kernels, "_why_unavailable", kernels._why_unavailable)
+    monkeypatch.delenv("FEDDDP_KERNELS", raising=False)
+    monkeypatch.setenv("FEDDDP_CACHE", str(tmp_path / "cache"))
+    assert kernels.lib(torch.zeros(4)) is None
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "kernels.c is missing" in lines[0] and "install is incomplete" in lines[0], lines
+    assert "C compiler" not in lines[0]
+    described = kernels.describe(torch.device("cpu"), rule="fedavg")
+    assert described.startswith("torch ops (kernels.c missing: this fedddp install is incomplete")
+    assert "compiler" not in described and capsys.readouterr().err == ""
+
+
 # -- the choice of form per rule ------------------------------------------------------------
 
 def slowed(fn, times=20):

@@ -2,7 +2,6 @@
 requeue on preemption), the sbatch templates with a stand-in for srun, and the rank/master
 resolution of a multi-node Slurm layout."""
 
-import importlib.util
 import os
 import signal
 import stat
@@ -15,22 +14,10 @@ import pytest
 import submitit
 import torch
 
-from fedddp import env
+from fedddp import env, slurm
 from fedddp.sampling import layout_rows, owned_clients, owner, sample_clients
 from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, metrics, run_fedddp
 from fedrun import SLOW, descendants, environ_of, wait_for_rounds
-
-
-def _load_submit():
-    path = os.path.join(REPO, "launch", "submit.py")
-    spec = importlib.util.spec_from_file_location("fedddp_launch_submit", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-submit = _load_submit()
 
 ARGS = ["run.rounds=4", "run.clients_per_round=7", "run.eval_every=2", "run.ckpt_every=2",
         "run.progress=false"]
@@ -62,9 +49,9 @@ def wait_job(job, timeout: float = 180):
 
 
 def local_submit(tmp_path, run_args, tasks=2):
-    job, _ = submit.submit([QUICKSTART, *run_args, "--local", "--gpus-per-node", "0",
-                            "--tasks-per-node", str(tasks), "--time", "10",
-                            "--output", str(tmp_path / "submitit" / "%j")])
+    job, _ = slurm.submit([QUICKSTART, *run_args, "--local", "--gpus-per-node", "0",
+                           "--tasks-per-node", str(tasks), "--time", "10",
+                           "--output", str(tmp_path / "submitit" / "%j")])
     return job
 
 
@@ -83,7 +70,7 @@ def test_submitit_local_executor_runs_one_rank_per_task(tmp_path, reference, loc
 
 
 def test_checkpoint_hook_resubmits_the_same_run_resuming():
-    task = submit.Trainer(["exp.toml", "run.rounds=3", "run.resume=false"])
+    task = slurm.Trainer(["exp.toml", "run.rounds=3", "run.resume=false"])
     assert isinstance(task, submitit.helpers.Checkpointable)
     again = task.checkpoint()
     assert isinstance(again, submitit.helpers.DelayedSubmission)
@@ -98,7 +85,7 @@ def test_preempted_task_resumes_exactly_through_its_checkpoint_hook(tmp_path, re
     """The requeue path without a scheduler: a task stopped after round 3 (its last checkpoint),
     then the DelayedSubmission its checkpoint() returns, as submitit would requeue it."""
     out = tmp_path / "out"
-    task = submit.Trainer([QUICKSTART, *ARGS, f"run.out_dir={out}", "run.stop_after=3"])
+    task = slurm.Trainer([QUICKSTART, *ARGS, f"run.out_dir={out}", "run.stop_after=3"])
     assert task() == 0
     first = (out / "metrics.jsonl").read_text().splitlines()
     assert len(first) == 3 and not (out / "final.pt").exists()
@@ -134,7 +121,7 @@ def test_submitit_requeue_on_preemption_signal_resumes_exactly(tmp_path, local_j
 
 def test_submit_rejects_a_bad_config_before_queueing(tmp_path, capsys):
     logs = tmp_path / "logs"
-    status = submit.main([QUICKSTART, "run.rounds=0", "--local", "--output", str(logs / "%j")])
+    status = slurm.main([QUICKSTART, "run.rounds=0", "--local", "--output", str(logs / "%j")])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and "run.rounds" in err[0]
     assert not logs.exists()
@@ -144,7 +131,7 @@ def test_submit_rejects_missing_data_before_queueing_with_status_3(tmp_path, cap
     """submit.py checked the config alone: a run whose data was missing was queued and failed
     on the nodes. The data layout is checked too, with fedddp's line and status."""
     logs = tmp_path / "logs"
-    status = submit.main([QUICKSTART, *cmapss_missing(tmp_path), "--local", "--output", str(logs / "%j")])
+    status = slurm.main([QUICKSTART, *cmapss_missing(tmp_path), "--local", "--output", str(logs / "%j")])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 3 and len(err) == 1 and err[0].startswith("fedddp: error: ") and "CMAPSS" in err[0], err
     assert not logs.exists()
@@ -153,9 +140,9 @@ def test_submit_rejects_missing_data_before_queueing_with_status_3(tmp_path, cap
 def test_submit_wait_returns_the_ranks_status_and_line(tmp_path, local_job_env, capsys):
     """With --wait, a task that failed came back as status 1 and submitit's traceback; now it is
     fedddp's status and line (the data check skipped, so the ranks meet the missing data)."""
-    status = submit.main([QUICKSTART, *cmapss_missing(tmp_path), "run.progress=false", "--local",
-                          "--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "10", "--wait",
-                          "--no-data-check", "--output", str(tmp_path / "submitit" / "%j")])
+    status = slurm.main([QUICKSTART, *cmapss_missing(tmp_path), "run.progress=false", "--local",
+                         "--gpus-per-node", "0", "--tasks-per-node", "2", "--time", "10", "--wait",
+                         "--no-data-check", "--output", str(tmp_path / "submitit" / "%j")])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 3, err
     assert err[-1].startswith("fedddp: error: ") and "CMAPSS files missing" in err[-1], err
@@ -169,16 +156,54 @@ def cmapss_missing(tmp_path):
 
 def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
-    assert submit.main([QUICKSTART, "--output", str(tmp_path / "logs" / "%j")]) == 2
+    assert slurm.main([QUICKSTART, "--output", str(tmp_path / "logs" / "%j")]) == 2
     assert "sbatch not found" in capsys.readouterr().err and not (tmp_path / "logs").exists()
 
 
+def submit_command(command: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """``python launch/submit.py ...`` (the script in a checkout) or ``python -m fedddp.slurm
+    ...`` (what an installed fedddp has), run from another folder, with this checkout's fedddp."""
+    cmd = [sys.executable, os.path.join(REPO, "launch", "submit.py")] if command == "script" else \
+        [sys.executable, "-m", "fedddp.slurm"]
+    environ = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=environ,
+                          cwd=os.path.dirname(REPO))
+
+
+@pytest.mark.parametrize("command", ["script", "module"])
+def test_submit_commands_keep_the_interface_and_statuses(tmp_path, command):
+    """launch/submit.py is a thin script over fedddp.slurm (the package's module, which
+    fedddp.sweep --slurm uses too): the same flags, lines and statuses through either."""
+    usage = submit_command(command, "--help")
+    prog = "launch/submit.py" if command == "script" else "python -m fedddp.slurm"
+    assert usage.returncode == 0 and usage.stdout.startswith(f"usage: {prog} ") and "--gpus-per-node" in usage.stdout
+    logs = tmp_path / "logs"
+    bad = submit_command(command, QUICKSTART, "run.rounds=0", "--local", "--output", str(logs / "%j"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "run.rounds" in bad.stderr
+    missing = submit_command(command, QUICKSTART, *cmapss_missing(tmp_path), "--local", "--output", str(logs / "%j"))
+    assert missing.returncode == 3 and missing.stderr.startswith("fedddp: error: "), missing.stderr
+    assert not logs.exists()
+
+
+@pytest.mark.slow
+def test_module_command_job_runs_in_a_worker(tmp_path):
+    """``python -m fedddp.slurm`` runs as __main__: the task it submits must still be
+    fedddp.slurm.Trainer, which submitit's worker can unpickle (not __main__.Trainer)."""
+    out = tmp_path / "out"
+    done = submit_command("module", QUICKSTART, "run.rounds=1", "run.progress=false", f"run.out_dir={out}",
+                          "--local", "--gpus-per-node", "0", "--tasks-per-node", "1", "--time", "10", "--wait",
+                          "--output", str(tmp_path / "submitit" / "%j"), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done" in done.stdout.splitlines()[-1] and (out / "final.pt").exists()
+
+
 def test_launcher_flags_stay_out_of_the_experiment_config():
-    args = submit.parse_args([QUICKSTART, "run.rounds=3", "--nodes", "2", "--gpus-per-node", "4",
-                              "--partition", "p", "--account", "a", "--time", "1-02:30:00"])
+    args = slurm.parse_args([QUICKSTART, "run.rounds=3", "--nodes", "2", "--gpus-per-node", "4",
+                             "--partition", "p", "--account", "a", "--time", "1-02:30:00"])
     assert args.overrides == ["run.rounds=3"]
-    assert submit.minutes(args.time) == (24 + 2) * 60 + 30
-    assert [submit.minutes(t) for t in ("90", "1:30:00", "0:0:30")] == [90, 90, 1]
+    assert slurm.minutes(args.time) == (24 + 2) * 60 + 30
+    assert [slurm.minutes(t) for t in ("90", "1:30:00", "0:0:30")] == [90, 90, 1]
 
 
 # -- who am I on a multi-node job ----------------------------------------------------------------
@@ -202,7 +227,7 @@ def test_submitit_task_exports_the_same_rendezvous_as_slurm(monkeypatch):
             monkeypatch.setenv(key, value)
         monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
         monkeypatch.delenv("MASTER_PORT", raising=False)
-        exported = submit.rendezvous_env(submitit.JobEnvironment(), {})
+        exported = slurm.rendezvous_env(submitit.JobEnvironment(), {})
         via_torchrun_vars = env.resolve(exported)
         assert (via_torchrun_vars.rank, via_torchrun_vars.world_size, via_torchrun_vars.local_rank) == \
             (procid, 8, procid % 4)
@@ -210,7 +235,7 @@ def test_submitit_task_exports_the_same_rendezvous_as_slurm(monkeypatch):
     # One node (and submitit's LocalExecutor, which sets no SLURM_* at all): loopback.
     local = SimpleNamespace(hostnames=["vm"], num_nodes=1, raw_job_id="123", global_rank=1,
                             num_tasks=2, local_rank=1)
-    assert submit.rendezvous_env(local, {}) == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+    assert slurm.rendezvous_env(local, {}) == {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "20123"}
 
 

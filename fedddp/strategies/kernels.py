@@ -29,8 +29,8 @@ without a GPU.
 ``lib(*tensors, rule=...)`` returns the fused form for these tensors: the C library (float32
 CPU tensors whose columns are contiguous, where the rule's chosen form is the kernel), the
 triton_kernels module (such CUDA tensors), else None: the rule then runs its torch-op form
-(also the fallback, announced once on stderr, where no compiler works or triton does not
-import). The wrappers below (mean, mix, fedmom, ...) take either form. Every form is
+(also the fallback, announced once on stderr, where no compiler works, where kernels.c is
+missing from an incomplete install, or where triton does not import). The wrappers below (mean, mix, fedmom, ...) take either form. Every form is
 deterministic; they may differ from each other in the last bits, since they sum in different
 orders, and the run's start line records which one each rule used and why (``describe``).
 """
@@ -69,6 +69,12 @@ SIGNATURES = {
 
 _loaded: ctypes.CDLL | None = None
 _failure: str | None = None
+_why_unavailable = "no C compiler"       # for the start line, once _failure is set
+
+
+class SourceMissing(OSError):
+    """kernels.c is not beside this module: the install is incomplete (a package built
+    without its package data), which a C compiler would not cure."""
 _triton_module = None                    # fedddp.strategies.triton_kernels, once imported
 _triton_failure: str | None = None
 
@@ -114,8 +120,11 @@ def compile_library(march: str | None = "native", lanes: int | None = None) -> c
     compiler's baseline instruction set (the tests compare the bits of several builds). A
     compiler without -march=native still builds the baseline. ``lanes`` overrides the
     register-chunk kernels' lane count (for A/B measurements, bench/aggregate.py --lanes)."""
-    with open(SOURCE, "rb") as fh:
-        source = fh.read()
+    try:
+        with open(SOURCE, "rb") as fh:
+            source = fh.read()
+    except FileNotFoundError:
+        raise SourceMissing(f"{SOURCE} is missing") from None
     compiler = os.environ.get("CC", "cc")
     flags = FLAGS + ([f"-DLANES={lanes}"] if lanes else [])
     targets = ([f"-march={march}"], []) if march else ([],)
@@ -150,12 +159,17 @@ def compile_library(march: str | None = "native", lanes: int | None = None) -> c
 
 
 def _library() -> ctypes.CDLL | None:
-    global _loaded, _failure
+    global _loaded, _failure, _why_unavailable
     if _loaded is None and _failure is None:
         try:
             _loaded = compile_library()
+        except SourceMissing as exc:
+            _failure, _why_unavailable = str(exc), "kernels.c missing: this fedddp install is incomplete"
+            print(f"fedddp: fused CPU kernels unavailable ({_failure}): this fedddp install is "
+                  "incomplete (built without its package data); server rules use torch ops (slower "
+                  "aggregation). Reinstall fedddp from a wheel or checkout that has it.", file=sys.stderr)
         except (OSError, subprocess.SubprocessError) as exc:
-            _failure = str(exc)
+            _failure, _why_unavailable = str(exc), "no C compiler"
             print(f"fedddp: fused CPU kernels unavailable ({_failure}); server rules use torch "
                   "ops (slower aggregation). Install a C compiler or set CC.", file=sys.stderr)
     return _loaded
@@ -322,7 +336,7 @@ def forms() -> dict[str, tuple[str, str]]:
         return _forms
     library = _library()
     if library is None:
-        _forms = {rule: ("torch", "no C compiler") for rule in RULES}
+        _forms = {rule: ("torch", _why_unavailable) for rule in RULES}
         return _forms
     path = _forms_path(library)
     try:
@@ -396,7 +410,7 @@ def describe(device: torch.device, rule: str | None = None) -> str:
             return "torch ops (FEDDDP_KERNELS=triton without TRITON_INTERPRET=1)"
         return "fused Triton kernels in Triton's interpreter (FEDDDP_KERNELS=triton)"
     if _library() is None:
-        return "torch ops (no C compiler)"
+        return f"torch ops ({_why_unavailable})"
     if mode == "c":
         return "fused C kernels (FEDDDP_KERNELS=c)"
     chosen = forms()
