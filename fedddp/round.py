@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,7 @@ from . import checkpoint, config, logs, outdir, participation, strategies, tasks
 from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import rules as local_rules
+from .client.batched import BatchedTrainer
 from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
 from .data import ClientData, build as build_data
 from .data.build import BUILT_WHOLE, LazyClients
@@ -225,13 +227,152 @@ def _choose_checkpoint(cfg: config.Config) -> int:
     return manifest["round"]
 
 
+@dataclass
+class RoundPlan:
+    """Who does what in a round: drawn identically on every rank, without communication."""
+
+    round_idx: int
+    sampled: list[int]            # the K sampled clients, sorted
+    reporting: list[int]          # those that did not drop out
+    per_rank: list[list[int]]     # the reporting clients each rank trains
+    groups: list[list[int]]       # this rank's clients, one training call a group
+    rows_per_rank: int            # report rows per rank, padding included
+    row_order: list[int]          # gathered rows -> client-id order
+    work_of: dict[int, int]       # each reporting client's local epochs (steps) this round
+    steps_of: dict[int, int]      # and its planned optimizer steps
+    deadline_steps: int           # run.deadline_steps (0: none)
+
+    def straggles(self, cid: int) -> bool:
+        """A client past the deadline does not train; its state stays home."""
+        return bool(self.deadline_steps) and self.steps_of[cid] > self.deadline_steps
+
+
+def plan_round(cfg: config.Config, round_idx: int, num_samples: list[int], cost_K: list[int], rank: int,
+               world_size: int, balanced: bool) -> RoundPlan:
+    """sample -> drop -> assign: the round's clients, who trains them and their report rows."""
+    rc = cfg.run
+    sampled = sample_clients(cfg.data.num_clients, cfg.num_sampled(), rc.seed, round_idx)
+    reporting = [c for c in sampled if not participation.drops_out(cfg, round_idx, c)]
+    if rc.parallel_clients > 1:  # groups trained side by side, cut whatever the world size
+        per_rank, groups_R = assign_groups(reporting, cost_K.__getitem__, world_size, balanced, rc.parallel_clients)
+        groups = groups_R[rank]
+    else:
+        per_rank = assign_clients(reporting, cost_K.__getitem__, world_size, balanced)
+        groups = [[c] for c in per_rank[rank]]
+    rows_per_rank, row_order = layout_rows(reporting, world_size, per_rank)
+    # every reporting client's work and steps, alike on every rank, so all agree on the stragglers
+    work_of = {c: participation.local_work(cfg, round_idx, c) for c in reporting}
+    steps_of = {c: planned_steps(num_samples[c], cfg.train, work_of[c]) for c in reporting}
+    return RoundPlan(round_idx, sampled, reporting, per_rank, groups, rows_per_rank, row_order, work_of, steps_of,
+                     rc.deadline_steps)
+
+
+@dataclass
+class Job:
+    """One client's training this round: its report row, context, data, seed and local work;
+    ``out`` holds the views of its row that training writes and the scalars it returns."""
+
+    row: int
+    ctx: ClientContext
+    data: ClientData
+    seed: int
+    work: int
+    out: dict
+
+
+class OneAfterAnother:
+    """The trainer of run.parallel_clients = 1: each client in turn on the rank's one model."""
+
+    def __init__(self, model, layout: FlatLayout, cfg: config.Config, rule, needs: frozenset, task):
+        self.model, self.layout, self.cfg, self.rule, self.needs = model, layout, cfg, rule, needs
+
+    def train(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.layout.unflatten_into(job.ctx.global_P, self.model)
+            t_client = time.perf_counter()
+            train_client(self.model, job.ctx, job.data, self.cfg, self.rule, self.needs, job.seed, job.out, job.work)
+            if job.ctx.global_P.device.type == "cuda":  # the client's kernels, not their queueing
+                torch.cuda.synchronize(job.ctx.global_P.device)
+            job.out["train_time"] = time.perf_counter() - t_client
+
+
+class SideBySide:
+    """The trainer of run.parallel_clients = B > 1: a group of up to B clients as one batched
+    computation (client/batched.py)."""
+
+    def __init__(self, model, layout: FlatLayout, cfg: config.Config, rule, needs: frozenset, task):
+        self.batched = BatchedTrainer(model, layout, cfg, rule, needs, task)
+
+    def train(self, jobs: list[Job]) -> None:
+        self.batched.train_group([(job.ctx, job.data, job.seed, job.work, job.out) for job in jobs])
+
+
+@dataclass
+class Setup:
+    """What a run builds once and every round uses; ``global_P``, ``state`` and ``last_ckpt``
+    change round by round."""
+
+    cfg: config.Config
+    data: object                  # fedddp.data.Data
+    task: tasks.Task
+    model: torch.nn.Module
+    layout: FlatLayout
+    strategy: strategies.Strategy
+    rule: object                  # the local rule
+    trainer: OneAfterAnother | SideBySide
+    report: ReportLayout
+    static: dict[str, torch.Tensor]
+    client_states: object         # client.state store of the clients this rank owns
+    balanced: bool
+    cost_K: list[int]
+    ckpt_root: str
+    global_P: torch.Tensor
+    state: dict[str, torch.Tensor]
+    start_round: int = 1
+    last_ckpt: str | None = None
+    rows_buffer: torch.Tensor | None = None
+    gather_buffer: torch.Tensor | None = None
+
+
 def _run(cfg: config.Config, comm, resume_round: int) -> dict:
+    """The rounds: sample -> train -> gather -> aggregate -> broadcast -> evaluate -> checkpoint
+    -> log, each a function below; rank 0's bookkeeping lives in ``Book``."""
+    rc = cfg.run
+    run = _setup(cfg, comm, resume_round)
+    book = Book(run, comm) if comm.is_main else None
+    last_round = run.start_round - 1
+    for round_idx in range(run.start_round, rc.rounds + 1):
+        clock = {"start": time.perf_counter()}
+        plan = plan_round(cfg, round_idx, run.data.num_samples, run.cost_K, comm.rank, comm.world_size, run.balanced)
+        rows_MF = _report_rows(run, comm, plan.rows_per_rank)
+        train_clients(run, comm, plan, rows_MF)
+        rows_KF, reported, train_s_R = gather_reports(run, comm, plan, rows_MF)
+        clock["gather"] = time.perf_counter()
+        diagnostics, train_loss, stacks = aggregate(run, comm, round_idx, rows_KF, reported)
+        clock["aggregate"] = time.perf_counter()
+        broadcast_model(run, comm)
+        clock["broadcast"] = time.perf_counter()
+        test_loss, test_metric = evaluate_round(run, comm, round_idx)
+        clock["evaluate"] = time.perf_counter()
+        stopping = bool(rc.stop_after) and round_idx == rc.stop_after
+        checkpoint_round(run, comm, round_idx, stopping)
+        clock["checkpoint"] = time.perf_counter()
+        if book is not None:
+            book.write_round(plan, reported, train_s_R, clock, diagnostics, train_loss, stacks, test_loss, test_metric)
+        last_round = round_idx
+        if stopping:
+            break
+    return _finish(run, comm, book, last_round)
+
+
+def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
+    """Data, model, flat layout, rules, trainer and report layout; the checkpoint's model and
+    state when resuming; config.toml and the log files on rank 0."""
     rc = cfg.run
     torch.set_num_threads(rc.num_threads)
     # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
     torch.set_default_dtype(torch.float32)
     device = comm.device
-    ckpt_root = os.path.join(rc.out_dir, "checkpoints")
     local_name, server_name = resolve_algorithm(cfg)
     strategy = strategies.get(server_name)
     rule = local_rules.get(local_name)
@@ -255,7 +396,6 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         data.train = data.train.mapped(to_device) if isinstance(data.train, LazyClients) else \
             {c: to_device(d) for c, d in data.train.items()}
         data.test = to_device(data.test)
-    cost_K = [expected_cost(n, cfg.train) for n in data.num_samples]
 
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
@@ -264,210 +404,202 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     task = tasks.get(data.task)
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()
-    state = strategy.init_state(global_P, cfg.algorithm)
     # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap)
     client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
         rc.out_dir, "client_state", f"rank{comm.rank}"))
-    num_layers = len(layout.conv_entries())
-    static = _static_stacks(needs, cfg, layout, device)
-    if rc.parallel_clients > 1:
-        from .client.batched import BatchedTrainer
-        batched = BatchedTrainer(model, layout, cfg, rule, needs, task)
-    report = ReportLayout(needs, layout.numel, num_layers)
+    trainer = (SideBySide if rc.parallel_clients > 1 else OneAfterAnother)(model, layout, cfg, rule, needs, task)
+    run = Setup(cfg, data, task, model, layout, strategy, rule, trainer,
+                ReportLayout(needs, layout.numel, len(layout.conv_entries())), _static_stacks(needs, cfg, layout, device),
+                client_states, balanced, [expected_cost(n, cfg.train) for n in data.num_samples],
+                os.path.join(rc.out_dir, "checkpoints"), global_P, strategy.init_state(global_P, cfg.algorithm),
+                rows_buffer=torch.empty(0, 0, device=device))
 
-    start_round, last_ckpt = 1, None
     if resume_round:
-        last_ckpt = checkpoint.round_dir(ckpt_root, resume_round)
+        run.last_ckpt = checkpoint.round_dir(run.ckpt_root, resume_round)
         try:
-            saved, saved_clients = checkpoint.load(last_ckpt, set(owned), device)
+            saved, saved_clients = checkpoint.load(run.last_ckpt, set(owned), device)
         except DataError as exc:
             error = exc
         _agree_on_failure(comm, error, "the checkpoint")
         client_states.restore(saved_clients)
         del saved_clients
         global_P.copy_(saved["global_P"])
-        state = saved["state"]
-        start_round = int(saved["round"]) + 1
+        run.state = saved["state"]
+        run.start_round = int(saved["round"]) + 1
     comm.broadcast_(global_P)
-    run_identity = checkpoint.identity(cfg)
+    return run
 
+
+def _report_rows(run: Setup, comm, rows_per_rank: int) -> torch.Tensor:
+    """This rank's [M, F] report rows. The buffers live across rounds (fresh ones cost page faults
+    every round); padding rows keep stale values and are never read."""
+    if run.rows_buffer.shape[0] < rows_per_rank:
+        device, width = comm.device, run.report.width
+        run.rows_buffer = torch.empty(rows_per_rank, width, device=device)
+        run.gather_buffer = torch.empty(comm.world_size * rows_per_rank, width, device=device) \
+            if comm.is_main and comm.world_size > 1 else None
+    return run.rows_buffer[:rows_per_rank]
+
+
+def train_clients(run: Setup, comm, plan: RoundPlan, rows_MF: torch.Tensor) -> None:
+    """This rank's clients of the round, group by group, each client's report into its row.
+    Per-client state of the clients trained away from their owner is fetched first and sent home
+    after; a client trained on its owner uses the store directly."""
+    rc, rule, report = run.cfg.run, run.rule, run.report
+    server_view = {k: run.state[k] for k in run.strategy.client_visible}
+    row_of = {cid: i for i, cid in enumerate(plan.per_rank[comm.rank])}
+    moves = travelling([c for c in plan.reporting if not plan.straggles(c)], plan.per_rank, comm.world_size) \
+        if rule.client_state else []
+    visiting = fetch_client_states(comm, run.client_states, moves)
+
+    def job(cid: int) -> Job | None:
+        """The client's training, or None for a straggler, whose row then says only its step count."""
+        i = row_of[cid]
+        if plan.straggles(cid):
+            _straggler_row(rows_MF[i], report, plan.steps_of[cid])
+            return None
+        # a rule that declares no client_state keeps none, wherever its clients train
+        home = rule.client_state and owner(cid, comm.world_size) == comm.rank
+        ctx = ClientContext(cid, plan.round_idx, run.global_P, run.layout, run.cfg.algorithm, server_view,
+                            run.client_states.client(cid) if home else visiting.get(cid, {}), task=run.task)
+        return Job(i, ctx, run.data.train[cid], client_seed(rc.seed, plan.round_idx, cid), plan.work_of[cid],
+                   report.views(rows_MF[i]))
+
+    for group in plan.groups:
+        jobs = [j for j in map(job, group) if j is not None]
+        if jobs:
+            run.trainer.train(jobs)
+        for j in jobs:
+            report.pack_scalars(rows_MF[j.row], j.out)
+    send_home(comm, run.client_states, moves, visiting)
+
+
+def gather_reports(run: Setup, comm, plan: RoundPlan, rows_MF: torch.Tensor):
+    """All ranks' rows to rank 0, in client-id order, less the rows of the clients past the
+    deadline: (rows_KF, the reporting clients, each rank's training seconds); on other ranks
+    (None, the reporting clients, None)."""
+    gathered = run.gather_buffer[:comm.world_size * plan.rows_per_rank] if run.gather_buffer is not None else None
+    rows_KF = comm.gather_rows(rows_MF, gathered)
+    if not comm.is_main:
+        return None, plan.reporting, None
+    report, reported = run.report, plan.reporting
+    if plan.row_order != list(range(rows_KF.shape[0])):
+        rows_KF = rows_KF[torch.tensor(plan.row_order, dtype=torch.long, device=comm.device)]
+    train_s_R = _per_rank_seconds(rows_KF[:, report.slices["train_time_K"]][:, 0], plan.reporting, plan.per_rank)
+    if plan.deadline_steps:
+        keep = participation.reporting_rows(rows_KF[:, report.slices["num_steps_K"]][:, 0], plan.deadline_steps)
+        rows_KF, reported = rows_KF[keep], [plan.reporting[i] for i in keep.tolist()]
+    return rows_KF, reported, train_s_R
+
+
+def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int]):
+    """The server rule on rank 0 (a round without reports leaves model and state as they were),
+    then every rank learns whether the run diverged: a non-finite model or loss ends the run
+    before this round writes anything. Returns (diagnostics, train loss, stacks) on rank 0."""
+    cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     if comm.is_main:
-        with outdir.disk_full_is_one_line("config.toml and metrics.jsonl", rc.out_dir, last_ckpt):
-            checkpoint.atomic_write_text(config.dumps(cfg), os.path.join(rc.out_dir, "config.toml"))
+        if reported:
+            stacks = run.report.unpack(rows_KF) | run.static
+            run.global_P, run.state, diagnostics = run.strategy.aggregate(run.global_P, stacks, run.state,
+                                                                          cfg.algorithm)
+            train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
+        if run.strategy.ledger is not None:
+            diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))
+        if not ((train_loss is None or math.isfinite(train_loss)) and bool(torch.isfinite(run.global_P).all())):
+            error = _diverged(cfg, round_idx, train_loss, run.global_P, run.last_ckpt)
+    _agree_with_rank_zero(comm, error)
+    return diagnostics, train_loss, stacks
+
+
+def broadcast_model(run: Setup, comm) -> None:
+    """The new global model, and the server state clients must see (SCAFFOLD's c), to every rank."""
+    run.global_P = run.global_P.contiguous()
+    comm.broadcast_(run.global_P)
+    for key in run.strategy.client_visible:
+        comm.broadcast_(run.state[key])
+
+
+def evaluate_round(run: Setup, comm, round_idx: int) -> tuple[float | None, float | None]:
+    """Test loss and metric every run.eval_every rounds and at the last; (None, None) between."""
+    rc = run.cfg.run
+    if round_idx % rc.eval_every and round_idx != rc.rounds:
+        return None, None
+    run.layout.unflatten_into(run.global_P, run.model)
+    return evaluate(run.model, run.data.test, comm, run.task)
+
+
+def checkpoint_round(run: Setup, comm, round_idx: int, stopping: bool) -> None:
+    """Every run.ckpt_every rounds, and at run.stop_after: rank 0 the server part, every rank its
+    clients' states."""
+    rc = run.cfg.run
+    if not rc.ckpt_every or (round_idx % rc.ckpt_every and not stopping):
+        return
+    server = {"round": round_idx, "global_P": run.global_P.cpu(), "state": {k: v.cpu() for k, v in run.state.items()},
+              "torch_rng": torch.get_rng_state()} if comm.is_main else None
+    with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", run.ckpt_root, run.last_ckpt):
+        run.last_ckpt = checkpoint.save(comm, run.ckpt_root, round_idx, server, run.client_states,
+                                        checkpoint.identity(run.cfg))
+
+
+class Book:
+    """Rank 0's bookkeeping in one place: config.toml, the start line, each round's row of
+    metrics.jsonl, metrics.csv and clients.jsonl (logs.py) with its phase timings, and the
+    progress line."""
+
+    def __init__(self, run: Setup, comm):
+        rc, self.run, self.world_size = run.cfg.run, run, comm.world_size
+        with outdir.disk_full_is_one_line("config.toml and metrics.jsonl", rc.out_dir, run.last_ckpt):
+            checkpoint.atomic_write_text(config.dumps(run.cfg), os.path.join(rc.out_dir, "config.toml"))
             # metrics.jsonl, metrics.csv, clients.jsonl, tensorboard/: replaced by a fresh run,
             # cut back to the checkpoint's round by a resumed one
-            run_logs = logs.RunLogs(rc.out_dir, start_round, rc.tensorboard)
-    progress = Progress(rc.rounds, rc.progress and comm.is_main, task.metric_key)
-    if comm.is_main:
+            self.logs = logs.RunLogs(rc.out_dir, run.start_round, rc.tensorboard)
+        self.progress = Progress(rc.rounds, rc.progress, run.task.metric_key)
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
         # out; the line says which form of the rules produced this run's bits.
-        form = strategies.kernels.describe(device, rule=server_name)
+        form = strategies.kernels.describe(comm.device, rule=run.strategy.name)
         if rc.progress:
-            print(f"fedddp: {comm.world_size} rank(s) on {device.type}; {describe_algorithm(cfg)}; "
+            print(f"fedddp: {comm.world_size} rank(s) on {comm.device.type}; {describe_algorithm(run.cfg)}; "
                   f"aggregation: {form}", file=sys.stderr, flush=True)
-    num_sampled = cfg.num_sampled()
-    last_round = start_round - 1
 
-    rows_buffer, gather_buffer = torch.empty(0, report.width, device=device), None
-    for round_idx in range(start_round, rc.rounds + 1):
-        t_round = time.perf_counter()
-        # -- sample: identical on every rank, no communication ------------------------------
-        sampled = sample_clients(cfg.data.num_clients, num_sampled, rc.seed, round_idx)
-        # clients that drop out neither train nor take a row; also drawn identically on every rank
-        reporting = [c for c in sampled if not participation.drops_out(cfg, round_idx, c)]
-        if rc.parallel_clients > 1:  # groups trained side by side, cut whatever the world size
-            per_rank, groups_R = assign_groups(reporting, cost_K.__getitem__, comm.world_size, balanced,
-                                               rc.parallel_clients)
-        else:
-            per_rank = assign_clients(reporting, cost_K.__getitem__, comm.world_size, balanced)
-        mine = per_rank[comm.rank]
-        rows_per_rank, row_order = layout_rows(reporting, comm.world_size, per_rank)
-        # Report buffers live across rounds (fresh ones cost page faults every round); padding
-        # rows keep stale values and are never read.
-        if rows_buffer.shape[0] < rows_per_rank:
-            rows_buffer = torch.empty(rows_per_rank, report.width, device=device)
-            gather_buffer = torch.empty(comm.world_size * rows_per_rank, report.width, device=device) \
-                if comm.is_main and comm.world_size > 1 else None
-        rows_MF = rows_buffer[:rows_per_rank]
+    def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
+                    diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric) -> None:
+        run, t = self.run, clock
+        # test_accuracy is always a key (the output contract). The metric goes under its task's
+        # key: test_accuracy itself for classification; for regression test_mae, and
+        # test_accuracy stays null, as it is on rounds without evaluation.
+        line = {"round": plan.round_idx, "train_loss": train_loss, "test_loss": test_loss, "test_accuracy": None,
+                run.task.metric_key: test_metric, "time_s": t["checkpoint"] - t["start"],
+                # rank 0's wait for slower ranks is their local training, not communication
+                "train_s": max(train_s_R), "train_imbalance_s": max(train_s_R) - min(train_s_R),
+                "communicate_s": max(0.0, (t["gather"] - t["start"]) - max(train_s_R))
+                + (t["broadcast"] - t["aggregate"]),
+                "aggregate_s": t["aggregate"] - t["gather"], "evaluate_s": t["evaluate"] - t["broadcast"],
+                "checkpoint_s": t["checkpoint"] - t["evaluate"], "clients": plan.sampled,
+                "num_reports": len(reported), "dropped": sorted(set(plan.sampled) - set(reported))}
+        rank_of = {c: r for r, clients in enumerate(plan.per_rank) for c in clients}
+        line = self.logs.write_round(line, diagnostics, stacks, reported, rank_of, run.last_ckpt)
+        self.progress.update(plan.round_idx, run.start_round, line)
 
-        # -- local training of this rank's sampled clients, one after another ----------------
-        # (run.parallel_clients > 1: a group at a time, side by side; stragglers as below)
-        server_view = {k: state[k] for k in strategy.client_visible}
-        row_of = {cid: i for i, cid in enumerate(mine)}
-        # every reporting client's local work and steps, drawn alike on every rank, so all agree
-        # on the stragglers, which do not train and whose state stays home
-        work_of = {c: participation.local_work(cfg, round_idx, c) for c in reporting}
-        steps_of = {c: planned_steps(data.num_samples[c], cfg.train, work_of[c]) for c in reporting}
-        straggles = lambda c: bool(rc.deadline_steps) and steps_of[c] > rc.deadline_steps  # noqa: E731
-        # -- per-client state of the clients trained away from their owner: fetched here, sent
-        # home after training; a client trained on its owner uses the store directly
-        moves = travelling([c for c in reporting if not straggles(c)], per_rank, comm.world_size) \
-            if rule.client_state else []
-        visiting = fetch_client_states(comm, client_states, moves)
+    def finish(self, last_round: int, final: dict) -> None:
+        """final.pt after the last round, or the line that says how to continue a stopped run."""
+        rc, last_ckpt = self.run.cfg.run, self.run.last_ckpt
+        if last_round == rc.rounds:
+            with outdir.disk_full_is_one_line("final.pt", rc.out_dir, last_ckpt):
+                checkpoint.atomic_save(final, os.path.join(rc.out_dir, "final.pt"))
+        elif last_round == rc.stop_after:
+            how = (f"continue from {last_ckpt} with run.resume=true" if last_ckpt else
+                   "no checkpoint was written (run.ckpt_every = 0), so run.resume=true would start over")
+            print(f"fedddp: stopped after round {last_round} (run.stop_after); {how}", file=sys.stderr, flush=True)
+        self.logs.close()
 
-        def start(cid):
-            """(row, local work, context) of a client that trains this round; None for a straggler,
-            whose row then says only its step count."""
-            i, work = row_of[cid], work_of[cid]
-            if straggles(cid):
-                _straggler_row(rows_MF[i], report, steps_of[cid])
-                return None
-            # a rule that declares no client_state keeps none, wherever its clients train
-            home = rule.client_state and owner(cid, comm.world_size) == comm.rank
-            return i, work, ClientContext(cid, round_idx, global_P, layout, cfg.algorithm, server_view,
-                                          client_states.client(cid) if home else visiting.get(cid, {}), task=task)
 
-        for group in groups_R[comm.rank] if rc.parallel_clients > 1 else ():
-            trained = [(i, (ctx, data.train[ctx.client_id], client_seed(rc.seed, round_idx, ctx.client_id), work,
-                            report.views(rows_MF[i]))) for i, work, ctx in filter(None, map(start, group))]
-            if trained:
-                batched.train_group([client for _, client in trained])
-            for i, (*_, out) in trained:
-                report.pack_scalars(rows_MF[i], out)
-        for cid in mine if rc.parallel_clients == 1 else ():
-            job = start(cid)
-            if job is None:
-                continue
-            i, work, ctx = job
-            layout.unflatten_into(global_P, model)
-            out = report.views(rows_MF[i])
-            t_client = time.perf_counter()
-            train_client(model, ctx, data.train[cid], cfg, rule, needs,
-                         client_seed(rc.seed, round_idx, cid), out, work)
-            if device.type == "cuda":  # the client's kernels, not their queueing; one wait a client
-                torch.cuda.synchronize(device)
-            out["train_time"] = time.perf_counter() - t_client
-            report.pack_scalars(rows_MF[i], out)
-        send_home(comm, client_states, moves, visiting)
-
-        # -- gather the reports, ordered by client id ---------------------------------------
-        gathered = gather_buffer[:comm.world_size * rows_per_rank] if gather_buffer is not None else None
-        rows_KF = comm.gather_rows(rows_MF, gathered)
-        reported = reporting
-        if comm.is_main:
-            if row_order != list(range(rows_KF.shape[0])):
-                rows_KF = rows_KF[torch.tensor(row_order, dtype=torch.long, device=device)]
-            train_s_R = _per_rank_seconds(rows_KF[:, report.slices["train_time_K"]][:, 0], reporting,
-                                          per_rank)
-            if rc.deadline_steps:
-                keep = participation.reporting_rows(rows_KF[:, report.slices["num_steps_K"]][:, 0],
-                                                    rc.deadline_steps)
-                rows_KF, reported = rows_KF[keep], [reporting[i] for i in keep.tolist()]
-        t_gather = time.perf_counter()
-
-        # -- aggregate on rank 0 (a round without reports leaves model and state as they were) --
-        diagnostics, train_loss, stacks = {}, None, {}
-        if comm.is_main and reported:
-            stacks = report.unpack(rows_KF) | static
-            global_P, state, diagnostics = strategy.aggregate(global_P, stacks, state, cfg.algorithm)
-            train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
-        if comm.is_main and strategy.ledger is not None:
-            diagnostics.update(strategy.ledger(state, static, cfg.algorithm))
-        # -- divergence: a non-finite model or loss ends the run before this round writes anything
-        error = None
-        if comm.is_main and not ((train_loss is None or math.isfinite(train_loss))
-                                 and bool(torch.isfinite(global_P).all())):
-            error = _diverged(cfg, round_idx, train_loss, global_P, last_ckpt)
-        _agree_with_rank_zero(comm, error)
-        t_agg = time.perf_counter()
-
-        # -- broadcast the new global model (and the state clients must see) ----------------
-        global_P = global_P.contiguous()
-        comm.broadcast_(global_P)
-        for key in strategy.client_visible:
-            comm.broadcast_(state[key])
-        t_bcast = time.perf_counter()
-
-        # -- evaluate ------------------------------------------------------------------------
-        test_loss = test_metric = None
-        if round_idx % rc.eval_every == 0 or round_idx == rc.rounds:
-            layout.unflatten_into(global_P, model)
-            test_loss, test_metric = evaluate(model, data.test, comm, task)
-        t_eval = time.perf_counter()
-
-        # -- checkpoint ----------------------------------------------------------------------
-        stopping = rc.stop_after and round_idx == rc.stop_after
-        if rc.ckpt_every and (round_idx % rc.ckpt_every == 0 or stopping):
-            server = {"round": round_idx, "global_P": global_P.cpu(),
-                      "state": {k: v.cpu() for k, v in state.items()},
-                      "torch_rng": torch.get_rng_state()} if comm.is_main else None
-            with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", ckpt_root, last_ckpt):
-                last_ckpt = checkpoint.save(comm, ckpt_root, round_idx, server, client_states, run_identity)
-        t_ckpt = time.perf_counter()
-
-        if comm.is_main:
-            # test_accuracy is always a key (the output contract). The metric goes under its
-            # task's key: test_accuracy itself for classification; for regression test_mae, and
-            # test_accuracy stays null, as it is on rounds without evaluation.
-            line = {"round": round_idx, "train_loss": train_loss, "test_loss": test_loss,
-                    "test_accuracy": None, task.metric_key: test_metric, "time_s": t_ckpt - t_round,
-                    # rank 0's wait for slower ranks is their local training, not communication
-                    "train_s": max(train_s_R), "train_imbalance_s": max(train_s_R) - min(train_s_R),
-                    "communicate_s": max(0.0, (t_gather - t_round) - max(train_s_R)) + (t_bcast - t_agg),
-                    "aggregate_s": t_agg - t_gather, "evaluate_s": t_eval - t_bcast,
-                    "checkpoint_s": t_ckpt - t_eval, "clients": sampled, "num_reports": len(reported),
-                    "dropped": sorted(set(sampled) - set(reported))}
-            # metrics.jsonl and .csv, clients.jsonl (per-client diagnostics), tensorboard/
-            rank_of = {c: r for r, clients in enumerate(per_rank) for c in clients}
-            line = run_logs.write_round(line, diagnostics, stacks, reported, rank_of, last_ckpt)
-            progress.update(round_idx, start_round, line)
-        last_round = round_idx
-        if stopping:
-            break
-
-    final = layout.state_dict(global_P)  # every rank holds the broadcast model (fedddp.run's result)
-    if comm.is_main and last_round == rc.rounds:
-        with outdir.disk_full_is_one_line("final.pt", rc.out_dir, last_ckpt):
-            checkpoint.atomic_save(final, os.path.join(rc.out_dir, "final.pt"))
-    elif comm.is_main and last_round == rc.stop_after:
-        how = (f"continue from {last_ckpt} with run.resume=true" if last_ckpt else
-               "no checkpoint was written (run.ckpt_every = 0), so run.resume=true would start over")
-        print(f"fedddp: stopped after round {last_round} (run.stop_after); {how}", file=sys.stderr, flush=True)
-    if comm.is_main:
-        run_logs.close()
+def _finish(run: Setup, comm, book: Book | None, last_round: int) -> dict:
+    final = run.layout.state_dict(run.global_P)  # every rank holds the broadcast model (fedddp.run's result)
+    if book is not None:
+        book.finish(last_round, final)
     comm.barrier()
-    client_states.close()
-    return {"last_round": last_round, "global_P": global_P, "state_dict": final}
+    run.client_states.close()
+    return {"last_round": last_round, "global_P": run.global_P, "state_dict": final}
 
 
 def _straggler_row(row_F: torch.Tensor, report: ReportLayout, steps: int) -> None:
