@@ -22,8 +22,8 @@ from .client import ClientContext, check_one_sample_batches, planned_steps, trai
 from .client import rules as local_rules
 from .client.batched import BatchedTrainer
 from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
-from .data import ClientData, build as build_data
-from .data.build import BUILT_WHOLE, LazyClients
+from .data import ClientData, LazyClients, build as build_data
+from .data.build import BUILT_WHOLE
 from .errors import ConfigError, DataError, DivergenceError, UserError
 from .flat import FlatLayout
 from .models import build_model

@@ -10,7 +10,7 @@ import torch
 
 from fedddp import config
 from fedddp.data import build, colored, partition
-from fedddp.data.build import holdout_split
+from fedddp.data.partition import holdout_split
 from fedddp.data.idx import load
 from fedrun import REPO, make_mnist_like, metrics, run_fedddp, write_idx
 

@@ -10,28 +10,7 @@ directly, without a DataLoader. ``task`` names the loss and test metric (fedddp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .clients import ClientData, FederatedData, LazyClients  # noqa: F401
+from .build import build  # noqa: F401
 
-import torch
-
-
-@dataclass
-class ClientData:
-    x: torch.Tensor  # [n, *input_shape] float32
-    y: torch.Tensor  # [n] int64 labels (classification) or float32 targets (regression)
-
-    def __len__(self) -> int:
-        return self.y.shape[0]
-
-
-@dataclass
-class FederatedData:
-    num_classes: int  # the model's outputs: classes, or 1 for a regression target
-    input_shape: tuple[int, ...]
-    num_samples: list[int]  # per client id, for all clients
-    train: dict[int, ClientData]  # only the clients this rank owns
-    test: ClientData  # the global test set (the round loop shards it over ranks)
-    task: str = "classification"  # or "regression" (fedddp.tasks: loss and test metric)
-
-
-from .build import build  # noqa: E402,F401
+__all__ = ["ClientData", "FederatedData", "LazyClients", "build"]

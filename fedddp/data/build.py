@@ -12,16 +12,13 @@ Legend: N images, C channels, H x W pixels.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData, cmapss, colored, idx, leaf, partition, synthetic, tensors, vision
+from . import cmapss, colored, idx, leaf, partition, synthetic, tensors, vision
+from .clients import ClientData, FederatedData, LazyClients
 from .. import plugins
 from ..errors import ConfigError, DataError
-
-_HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generator
 
 # Data sets whose loaders make every requested client's float tensors when they build: asked for
 # every client, each rank would hold the whole training set as float32 (FEMNIST: every writer's
@@ -63,14 +60,14 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
         valid = DataConfig.__dataclass_fields__["name"].metadata["choices"]
         raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: {', '.join(valid)})")
     if holdout:
-        train, test = holdout_split(test, data.holdout_from_test, seed)
+        train, test = partition.holdout_split(test, data.holdout_from_test, seed)
     for _, labels in (train, test):
         if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
             raise DataError(f"{root}: {data.name} labels outside [0, {num_classes}); the files are not "
                             f"{data.name}, fetch them again")
 
     images_NCHW, labels_N = train
-    parts = _partition(labels_N, data, seed)
+    parts = partition.split(labels_N, data, seed)
     if data.name == "colored_mnist":  # partitioned by digit, whatever label the variant predicts
         return colored.build(data, seed, train, test, parts, owned_ids)
     train_data = LazyClients(lambda k: ClientData(to_tensor(images_NCHW[parts[k]], mean_C, std_C),
@@ -80,66 +77,9 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
                          test=ClientData(to_tensor(test[0], mean_C, std_C), torch.from_numpy(test[1])))
 
 
-class LazyClients(Mapping):
-    """{client id: ClientData} whose tensors are made on first access and then kept: a rank that
-    may train any client pays only for those it has trained (the uint8 source stays in RAM)."""
-
-    def __init__(self, make: Callable[[int], ClientData], ids: Iterable[int]):
-        self._make, self._ids, self._made = make, sorted(set(ids)), {}
-        self._id_set = set(self._ids)
-
-    def __getitem__(self, cid: int) -> ClientData:
-        if cid not in self._made:
-            if cid not in self._id_set:
-                raise KeyError(cid)
-            self._made[cid] = self._make(cid)
-        return self._made[cid]
-
-    def __iter__(self):
-        return iter(self._ids)
-
-    def __len__(self) -> int:
-        return len(self._ids)
-
-    def __contains__(self, cid) -> bool:
-        return cid in self._id_set
-
-    def mapped(self, fn: Callable[[ClientData], ClientData]) -> "LazyClients":
-        """The same clients with ``fn`` applied on first access (e.g. a move to the GPU)."""
-        return LazyClients(lambda cid: fn(self._make(cid)), self._ids)
-
-
-def holdout_split(split, fraction: float, seed: int):
-    """(images, labels) -> (train, test): a seeded permutation sends round(fraction * N) samples to
-    test and the rest to train; both keep the file order (sorted indices)."""
-    images, labels_N = split
-    perm_N = np.random.default_rng([_HOLDOUT_STREAM, seed]).permutation(len(labels_N))
-    num_test = round(fraction * len(labels_N))
-    test_idx, train_idx = np.sort(perm_N[:num_test]), np.sort(perm_N[num_test:])
-    if len(train_idx) == 0 or len(test_idx) == 0:
-        raise ConfigError(f"data.holdout_from_test: {fraction} of {len(labels_N)} samples leaves an empty "
-                          "train or test set; use a value such as 0.2")
-    return (images[train_idx], labels_N[train_idx]), (images[test_idx], labels_N[test_idx])
-
-
 def to_tensor(images_NCHW: np.ndarray, mean_C, std_C) -> torch.Tensor:
     """uint8 [N, C, H, W] -> float32, pixels in [0, 1] then standardised per channel."""
     x = torch.from_numpy(images_NCHW.astype(np.float32)) / 255.0  # astype copies: the IDX buffer is read-only
     mean = torch.tensor(mean_C, dtype=torch.float32).view(1, -1, 1, 1)
     std = torch.tensor(std_C, dtype=torch.float32).view(1, -1, 1, 1)
     return (x - mean) / std
-
-
-def _partition(labels_N: np.ndarray, data, seed: int) -> list[np.ndarray]:
-    if data.partition == "iid":
-        return partition.iid(labels_N, data.num_clients, seed)
-    if data.partition == "dirichlet":
-        return partition.dirichlet(labels_N, data.num_clients, data.dirichlet_alpha, seed)
-    if data.partition == "shards":
-        return partition.shards(labels_N, data.num_clients, data.shards_per_client, seed)
-    if data.partition == "classes":
-        return partition.classes(labels_N, data.num_clients, data.shards_per_client, seed)
-    if data.partition == "natural":
-        raise ConfigError(f"data.partition: {data.name} has no natural clients (femnist has: its writers); "
-                          "use iid, dirichlet, shards or classes")
-    raise ConfigError(f"data.partition: unknown {data.partition!r} (valid: iid, dirichlet, shards, classes, natural)")

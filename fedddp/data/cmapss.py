@@ -33,7 +33,7 @@ import os
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData
+from .clients import ClientData, FederatedData
 from ..errors import ConfigError, DataError
 
 FOLDER = "CMAPSS"

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData
+from .clients import ClientData, FederatedData
 
 _CLIENT_STREAM = 0x434D_0001  # domain tags of the generator streams (see synthetic.py)
 _TEST_STREAM = 0x434D_0002

@@ -27,7 +27,7 @@ import re
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData
+from .clients import ClientData, FederatedData
 from ..errors import ConfigError, DataError
 
 FOLDER = "FEMNIST"

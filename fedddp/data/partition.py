@@ -106,3 +106,35 @@ def classes(labels_N: np.ndarray, num_clients: int, classes_per_client: int, see
         for k, part in zip(holders, np.array_split(idx_c, len(holders))):
             owner_N[part] = k
     return _groups(owner_N, num_clients)
+
+
+_HOLDOUT_STREAM = 0x484F_4C44  # domain tag of the holdout permutation's generator
+
+
+def holdout_split(split, fraction: float, seed: int):
+    """(images, labels) -> (train, test): a seeded permutation sends round(fraction * N) samples to
+    test and the rest to train; both keep the file order (sorted indices)."""
+    images, labels_N = split
+    perm_N = np.random.default_rng([_HOLDOUT_STREAM, seed]).permutation(len(labels_N))
+    num_test = round(fraction * len(labels_N))
+    test_idx, train_idx = np.sort(perm_N[:num_test]), np.sort(perm_N[num_test:])
+    if len(train_idx) == 0 or len(test_idx) == 0:
+        raise ConfigError(f"data.holdout_from_test: {fraction} of {len(labels_N)} samples leaves an empty "
+                          "train or test set; use a value such as 0.2")
+    return (images[train_idx], labels_N[train_idx]), (images[test_idx], labels_N[test_idx])
+
+
+def split(labels_N: np.ndarray, data, seed: int) -> list[np.ndarray]:
+    """The sample indices of each client, by ``data.partition`` (a DataConfig)."""
+    if data.partition == "iid":
+        return iid(labels_N, data.num_clients, seed)
+    if data.partition == "dirichlet":
+        return dirichlet(labels_N, data.num_clients, data.dirichlet_alpha, seed)
+    if data.partition == "shards":
+        return shards(labels_N, data.num_clients, data.shards_per_client, seed)
+    if data.partition == "classes":
+        return classes(labels_N, data.num_clients, data.shards_per_client, seed)
+    if data.partition == "natural":
+        raise ConfigError(f"data.partition: {data.name} has no natural clients (femnist has: its writers); "
+                          "use iid, dirichlet, shards or classes")
+    raise ConfigError(f"data.partition: unknown {data.partition!r} (valid: iid, dirichlet, shards, classes, natural)")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData
+from .clients import ClientData, FederatedData
 
 # Domain tags keep the generator streams of different uses apart (a plain [seed, k] could
 # coincide with another module's [seed, something]).

@@ -28,7 +28,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from . import ClientData, FederatedData
+from .clients import ClientData, FederatedData, LazyClients
+from . import partition
 from ..errors import ConfigError, DataError
 from ..tasks import TASKS
 
@@ -58,8 +59,6 @@ def read(path: str) -> dict:
 def build(mapping, where: str, data_cfg, seed: int, owned_ids: list[int]) -> FederatedData:
     """The checked arrays, holdout split and partition -> FederatedData; ``where`` names the
     source in every error line."""
-    from .build import LazyClients, _partition, holdout_split  # late: build imports this module
-
     arrays = _checked(mapping, where)
     task, num_classes = arrays["task"], arrays["num_classes"]
     x_train, y_train, x_test, y_test = (arrays[k] for k in REQUIRED)
@@ -69,14 +68,14 @@ def build(mapping, where: str, data_cfg, seed: int, owned_ids: list[int]) -> Fed
             raise ConfigError("data.holdout_from_test: the natural clients (client_train) are of the training "
                               "arrays, which a holdout split replaces; set data.holdout_from_test = 0 or "
                               "another data.partition")
-        (x_train, y_train), (x_test, y_test) = holdout_split((x_test, y_test), data_cfg.holdout_from_test, seed)
+        (x_train, y_train), (x_test, y_test) = partition.holdout_split((x_test, y_test), data_cfg.holdout_from_test, seed)
     if natural:
         parts = _natural(arrays.get("client_train"), data_cfg.num_clients, where)
     else:
         if task == "regression" and data_cfg.partition in BY_LABEL:
             raise ConfigError(f"data.partition: {data_cfg.partition} splits by class label and {where} holds "
                               "regression targets; use iid (or natural with client_train)")
-        parts = _partition(y_train, data_cfg, seed)
+        parts = partition.split(y_train, data_cfg, seed)
 
     def client(k: int) -> ClientData:
         return ClientData(torch.from_numpy(x_train[parts[k]]), torch.from_numpy(y_train[parts[k]]))
