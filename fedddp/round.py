@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -182,7 +183,7 @@ def run(cfg: config.Config, comm) -> dict:
     """One run, start to end. Before any data is loaded rank 0 checks and locks ``run.out_dir``
     (held to the end) and decides where the run starts: a fresh run refuses a folder holding
     results unless ``run.overwrite``; a resume takes the newest complete checkpoint of the
-    same run identity."""
+    same run identity and cuts the metrics files back to its round."""
     lock, error, resume_round = None, None, 0
     if comm.is_main:
         try:
@@ -204,10 +205,21 @@ def run(cfg: config.Config, comm) -> dict:
 
 
 def _choose_checkpoint(cfg: config.Config) -> int:
-    """The round of the newest complete checkpoint in out_dir, of this run (0: none yet)."""
+    """The round of the newest complete checkpoint in out_dir, of this run (0: none yet), with
+    the rows past it cut from the metrics files (they are redone)."""
     ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
     folder, manifest, skipped = checkpoint.newest_complete(ckpt_root)
     if folder is None:
+        folders = [f for _, f in checkpoint.round_folders(ckpt_root)]
+        if skipped and not any(os.path.exists(os.path.join(f, checkpoint.MANIFEST)) for f in folders):
+            # No save ever finished (a full disk or a kill during the first checkpoint): there is
+            # nothing to continue and nothing to lose, so the rerun that the exit-5 line advises
+            # and a torchrun restart start from round 1 instead of refusing.
+            for f in folders:
+                shutil.rmtree(f)
+            print(f"fedddp: no checkpoint in {ckpt_root} was ever completed ({'; '.join(skipped)}); removed "
+                  "its round folder(s), starting from round 1", file=sys.stderr, flush=True)
+            return 0
         if skipped:
             raise DataError(f"checkpoints: {len(skipped)} round folder(s) in {ckpt_root} but none is "
                             f"complete ({'; '.join(skipped)}); nothing to resume: start over with "
@@ -220,6 +232,9 @@ def _choose_checkpoint(cfg: config.Config) -> int:
     if manifest["round"] > cfg.run.rounds:
         raise ConfigError(f"run.rounds: {cfg.run.rounds} is below the round of the checkpoint {folder} "
                           f"({manifest['round']}); set run.rounds >= {manifest['round']} to continue it")
+    # a damaged row is one line (exit 3) here, before any data loads
+    with outdir.disk_full_is_one_line("metrics.jsonl, metrics.csv and clients.jsonl", cfg.run.out_dir, folder):
+        logs.cut_back(cfg.run.out_dir, manifest["round"])
     why = f"; skipped {'; '.join(skipped)}" if skipped else ""
     print(f"fedddp: resuming from round {manifest['round']} ({folder}){why}", file=sys.stderr, flush=True)
     return manifest["round"]
@@ -294,8 +309,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     if comm.is_main:
         with outdir.disk_full_is_one_line("config.toml and metrics.jsonl", rc.out_dir, last_ckpt):
             checkpoint.atomic_write_text(config.dumps(cfg), os.path.join(rc.out_dir, "config.toml"))
-            # metrics.jsonl, metrics.csv, clients.jsonl, tensorboard/: replaced by a fresh run,
-            # cut back to the checkpoint's round by a resumed one
+            # metrics.jsonl, metrics.csv, clients.jsonl, tensorboard/: replaced by a fresh run; a
+            # resumed one's were cut back to its checkpoint's round in run()
             run_logs = logs.RunLogs(rc.out_dir, start_round, rc.tensorboard)
     progress = Progress(rc.rounds, rc.progress and comm.is_main, task.metric_key)
     if comm.is_main:
@@ -425,14 +440,19 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
             test_loss, test_metric = evaluate(model, data.test, comm, task)
         t_eval = time.perf_counter()
 
-        # -- checkpoint ----------------------------------------------------------------------
+        # -- checkpoint: every file now, the manifest that completes it after the round's rows --
+        # A checkpoint must never be complete without its round's rows: a run killed in between
+        # would resume after the round and its rows would be missing for good. Written the other
+        # way round, a kill in between leaves the round folder incomplete, resume takes the
+        # previous checkpoint and cuts the rows back to it (logs.cut_back).
         stopping = rc.stop_after and round_idx == rc.stop_after
+        written = None
         if rc.ckpt_every and (round_idx % rc.ckpt_every == 0 or stopping):
             server = {"round": round_idx, "global_P": global_P.cpu(),
                       "state": {k: v.cpu() for k, v in state.items()},
                       "torch_rng": torch.get_rng_state()} if comm.is_main else None
             with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", ckpt_root, last_ckpt):
-                last_ckpt = checkpoint.save(comm, ckpt_root, round_idx, server, client_states, run_identity)
+                written = checkpoint.write_files(comm, ckpt_root, round_idx, server, client_states, run_identity)
         t_ckpt = time.perf_counter()
 
         if comm.is_main:
@@ -449,8 +469,12 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
                     "dropped": sorted(set(sampled) - set(reported))}
             # metrics.jsonl and .csv, clients.jsonl (per-client diagnostics), tensorboard/
             rank_of = {c: r for r, clients in enumerate(per_rank) for c in clients}
-            line = run_logs.write_round(line, diagnostics, stacks, reported, rank_of, last_ckpt)
+            line = run_logs.write_round(line, diagnostics, stacks, reported, rank_of, last_ckpt,
+                                        sync=written is not None)
             progress.update(round_idx, start_round, line)
+        if written is not None:
+            with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", ckpt_root, last_ckpt):
+                last_ckpt = checkpoint.complete(comm, written)
         last_round = round_idx
         if stopping:
             break
