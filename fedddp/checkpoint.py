@@ -130,6 +130,14 @@ def identity_changes(saved: dict, now: dict) -> list[str]:
 def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
          clients: dict[int, dict[str, torch.Tensor]], identity: dict | None = None, keep: int = 2) -> str:
     """Every rank calls this. ``server`` is rank 0's payload (None elsewhere). Returns the folder."""
+    return complete(comm, write_files(comm, ckpt_root, round_idx, server, clients, identity), keep)
+
+
+def write_files(comm, ckpt_root: str, round_idx: int, server: dict | None,
+                clients: dict[int, dict[str, torch.Tensor]], identity: dict | None = None) -> dict:
+    """The first half of ``save``: every rank's files of the round, but no manifest yet, so the
+    folder is not complete. Returns what ``complete`` needs (the manifest on rank 0). The round
+    loop writes the round's metrics rows between the two halves."""
     folder = round_dir(ckpt_root, round_idx)
     os.makedirs(folder, exist_ok=True)
     if comm.is_main:
@@ -159,13 +167,23 @@ def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
         if code > 0:
             raise OSError(code, f"{os.strerror(code)} (rank {failed[0]}, writing its part of {folder})")
         raise RuntimeError(f"rank {failed[0]} could not write its part of {folder}")
+    manifest = None
     if comm.is_main:
         for r in range(comm.world_size):
             files[f"clients_rank{r}.pt"] = {"size": int(entry_R3[r, 1].item()), "crc32": int(entry_R3[r, 2].item())}
         manifest = {"round": round_idx, "world_size": comm.world_size, "identity": identity or {}, "files": files}
-        atomic_write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", os.path.join(folder, MANIFEST))
+    return {"root": ckpt_root, "folder": folder, "round": round_idx, "manifest": manifest}
+
+
+def complete(comm, written: dict, keep: int = 2) -> str:
+    """The second half of ``save``: rank 0 writes the manifest (the round folder is complete from
+    here on), LATEST, and prunes; every rank waits for it. Returns the folder."""
+    folder, ckpt_root = written["folder"], written["root"]
+    if comm.is_main:
+        atomic_write_text(json.dumps(written["manifest"], indent=1, sort_keys=True) + "\n",
+                          os.path.join(folder, MANIFEST))
         atomic_write_text(os.path.basename(folder), os.path.join(ckpt_root, LATEST))
-        _prune(ckpt_root, round_idx, keep)
+        _prune(ckpt_root, written["round"], keep)
     comm.barrier()
     return folder
 

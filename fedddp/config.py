@@ -374,12 +374,13 @@ def validate(cfg: Config) -> list[str]:
                 own = ", or module:attr (docs/extending.md)" if f.metadata.get("plugin") else ""
                 errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}{own}")
     positive = ["run.rounds", "run.eval_every", "run.num_threads", "run.collective_timeout_s", "data.num_clients", "data.shards_per_client",
-                "train.lr_step_size", "model.hidden"]
+                "train.lr_step_size", "model.hidden", "data.synthetic_dim", "data.synthetic_classes"]
     non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
                     "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
                     "train.weight_decay", "algorithm.server_lr", "algorithm.prox_mu", "algorithm.sam_rho",
                     "algorithm.gam_rho", "algorithm.gam_alpha", "algorithm.cgw_alpha",
-                    "algorithm.moon_mu", "algorithm.smoo_lambda", "data.seed"]
+                    "algorithm.moon_mu", "algorithm.smoo_lambda", "data.seed", "train.lr_gamma",
+                    "data.synthetic_alpha", "data.synthetic_beta"]
     for path in positive + non_negative:
         section, key = path.split(".")
         value = getattr(getattr(cfg, section), key)

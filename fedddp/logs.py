@@ -19,8 +19,9 @@ round at any number of clients.
 
 Every file is appended and closed (so flushed) each round: ``tail -f`` shows each round as it
 ends. A fresh run replaces them; a resumed one first drops what lies past its checkpoint's round
-(a crash may have left some), so a stopped and resumed run writes the same lines as an
-uninterrupted one, timings aside.
+(a crash may have left some: ``cut_back``), so a stopped and resumed run writes the same lines as
+an uninterrupted one, timings aside. A round's rows are written (and, on a checkpoint round,
+fsynced) before its checkpoint is completed, so a complete checkpoint never lacks its rows.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import shutil
 import torch
 
 from . import checkpoint, outdir
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 
 JSONL = ("metrics.jsonl", "clients.jsonl")
 CSV = "metrics.csv"
@@ -93,10 +94,7 @@ class RunLogs:
                     os.remove(path)
             if os.path.isdir(tb_dir):
                 shutil.rmtree(tb_dir)
-        else:
-            for name in JSONL:
-                _truncate_jsonl(self.path[name], start_round - 1)
-            _truncate_csv(self.path[CSV], start_round - 1)
+        # a resumed run's files were cut back to its checkpoint by cut_back, before any data loaded
         self.columns = _csv_header(self.path[CSV])
         self.writer = None
         if tensorboard:
@@ -105,19 +103,21 @@ class RunLogs:
             self.writer = SummaryWriter(tb_dir, purge_step=start_round if start_round > 1 else None)
 
     def write_round(self, line: dict, diagnostics: dict, stacks: dict, reported: list[int],
-                    rank_of: dict[int, int], last_ckpt: str | None) -> dict:
+                    rank_of: dict[int, int], last_ckpt: str | None, sync: bool = False) -> dict:
         """Writes round ``line["round"]`` to every file and returns its metrics.jsonl object.
         ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors,
         ``stacks`` the report stacks of the ``reported`` clients (rows in client-id order;
-        empty when none reported), ``rank_of`` each client's training rank."""
+        empty when none reported), ``rank_of`` each client's training rank. ``sync``: fsync
+        the files (a checkpoint of this round is completed next and must not outlive its rows
+        in a power cut)."""
         per_client = {name: v for k, v in diagnostics.items() if (name := per_client_name(k))}
         line = line | {k: to_json(v) for k, v in diagnostics.items() if not per_client_name(k)}
         line = {k: finite_or_null(v) for k, v in line.items()}
-        self._append("metrics.jsonl", ENCODER.encode(line) + "\n", last_ckpt)
-        self._append_csv(line, last_ckpt)
+        self._append("metrics.jsonl", ENCODER.encode(line) + "\n", last_ckpt, sync)
+        self._append_csv(line, last_ckpt, sync)
         if reported:
             self._append("clients.jsonl", _client_lines(line["round"], reported, rank_of, stacks, per_client),
-                         last_ckpt)
+                         last_ckpt, sync)
         if self.writer is not None:
             with outdir.disk_full_is_one_line(TENSORBOARD, self.out_dir, last_ckpt):
                 for key, value in line.items():
@@ -131,15 +131,18 @@ class RunLogs:
             self.writer.close()
             self.writer = None
 
-    def _append(self, name: str, text: str, last_ckpt: str | None) -> None:
+    def _append(self, name: str, text: str, last_ckpt: str | None, sync: bool = False) -> None:
         with outdir.disk_full_is_one_line(name, self.out_dir, last_ckpt), open(self.path[name], "a") as fh:
             fh.write(text)
+            if sync:
+                fh.flush()
+                os.fsync(fh.fileno())
 
-    def _append_csv(self, line: dict, last_ckpt: str | None) -> None:
+    def _append_csv(self, line: dict, last_ckpt: str | None, sync: bool = False) -> None:
         row = {k: v for k, v in line.items() if not isinstance(v, list)}
         new = [k for k in row if k not in (self.columns or [])]
         if not new:
-            self._append(CSV, _csv_text([row], self.columns, header=False), last_ckpt)
+            self._append(CSV, _csv_text([row], self.columns, header=False), last_ckpt, sync)
             return
         # A key first seen now (the first round, or a rule's diagnostics after rounds without
         # reports): the file is rewritten once with the wider header, so every row has the same
@@ -195,29 +198,64 @@ def _csv_rows(path: str) -> list[dict]:
         return list(csv.DictReader(fh))
 
 
-def _whole_lines(path: str) -> list[str]:
-    """The file's lines that end in a newline: a run killed in the middle of a round's write
-    (clients.jsonl's can be large) leaves a last line cut short, which is no record."""
-    with open(path, newline="") as fh:
-        return [ln for ln in fh if ln.endswith("\n") and ln.strip()]
+def _whole_lines(path: str) -> list[tuple[int, str]]:
+    """(line number, line) of the file's lines that end in a newline: a run killed in the middle
+    of a round's write (clients.jsonl's can be large) leaves a last line cut short, which is no
+    record. A line that is not UTF-8 text is damaged."""
+    lines = []
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            if raw.endswith(b"\n") and raw.strip():
+                try:
+                    lines.append((number, raw.decode()))
+                except UnicodeDecodeError:
+                    raise _damaged(path, number, "not UTF-8 text") from None
+    return lines
 
 
-def _truncate_jsonl(path: str, last_round: int) -> None:
-    """On resume, drop lines past the checkpoint (a crash may have left some)."""
-    if not os.path.exists(path):
-        return
-    lines = [ln for ln in _whole_lines(path) if json.loads(ln)["round"] <= last_round]
-    checkpoint.atomic_write_text("".join(lines), path)
+def _damaged(path: str, number: int, what: str) -> DataError:
+    return DataError(f"{path}: line {number} is damaged ({what}), so the run's rows cannot be cut back to "
+                     "its checkpoint; repair that line and resume again, or start over with "
+                     "run.resume=false run.overwrite=true")
 
 
-def _truncate_csv(path: str, last_round: int) -> None:
-    if not os.path.exists(path):
-        return
-    rows = list(csv.reader(_whole_lines(path)))
-    if not rows:
-        return
-    at = rows[0].index("round")
-    buffer = io.StringIO()
-    csv.writer(buffer, lineterminator="\n").writerows(
-        rows[:1] + [row for row in rows[1:] if row and int(row[at]) <= last_round])
-    checkpoint.atomic_write_text(buffer.getvalue(), path)
+def cut_back(out_dir: str, last_round: int) -> None:
+    """On resume (rank 0, before any data loads): drop the rows past the checkpoint's round from
+    metrics.jsonl, clients.jsonl and metrics.csv (a crash may have left some). Every file is read
+    first, so a damaged line is one DataError naming its file and line and nothing is rewritten."""
+    kept = {}
+    for name in JSONL:
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            continue
+        kept[path] = []
+        for number, line in _whole_lines(path):
+            try:
+                round_idx = json.loads(line)["round"]
+                if not isinstance(round_idx, int):
+                    raise TypeError
+            except ValueError:
+                raise _damaged(path, number, "not JSON") from None
+            except (KeyError, TypeError):
+                raise _damaged(path, number, "no integer round") from None
+            if round_idx <= last_round:
+                kept[path].append(line)
+    path = os.path.join(out_dir, CSV)
+    rows = [(number, next(csv.reader([line]))) for number, line in _whole_lines(path)] if os.path.exists(path) else []
+    if rows:
+        (number, header), keep = rows[0], [rows[0][1]]
+        if "round" not in header:
+            raise _damaged(path, number, "its header has no round column")
+        at = header.index("round")
+        for number, row in rows[1:]:
+            try:
+                round_idx = int(row[at])
+            except (IndexError, ValueError):
+                raise _damaged(path, number, "no round number in its round column") from None
+            if round_idx <= last_round:
+                keep.append(row)
+        buffer = io.StringIO()
+        csv.writer(buffer, lineterminator="\n").writerows(keep)
+        kept[path] = [buffer.getvalue()]
+    for path, lines in kept.items():
+        checkpoint.atomic_write_text("".join(lines), path)

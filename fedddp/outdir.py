@@ -133,8 +133,11 @@ def disk_full_is_one_line(what: str, where: str, last_checkpoint: str | None):
         if full is None:
             raise
         dev = os.stat(_existing(where)).st_dev
+        # Without a complete checkpoint a plain rerun is refused (the folder holds results);
+        # run.resume=true starts from round 1, removing round folders whose save never finished.
         resume = (f"the last complete checkpoint is {last_checkpoint}: free space and continue with "
-                  "run.resume=true") if last_checkpoint else "no complete checkpoint yet: free space and rerun"
+                  "run.resume=true") if last_checkpoint else \
+            "no complete checkpoint yet: free space and rerun with run.resume=true (it starts from round 1)"
         raise DiskFullError(f"{full.strerror} on the file system at {_mount_point(_existing(where))} (device "
                             f"{os.major(dev)}:{os.minor(dev)}) while writing {what} in {where}; "
                             f"{resume}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -184,7 +185,7 @@ def run(cfg: config.Config, comm) -> dict:
     """One run, start to end. Before any data is loaded rank 0 checks and locks ``run.out_dir``
     (held to the end) and decides where the run starts: a fresh run refuses a folder holding
     results unless ``run.overwrite``; a resume takes the newest complete checkpoint of the
-    same run identity."""
+    same run identity and cuts the metrics files back to its round."""
     lock, error, resume_round = None, None, 0
     if comm.is_main:
         try:
@@ -206,10 +207,21 @@ def run(cfg: config.Config, comm) -> dict:
 
 
 def _choose_checkpoint(cfg: config.Config) -> int:
-    """The round of the newest complete checkpoint in out_dir, of this run (0: none yet)."""
+    """The round of the newest complete checkpoint in out_dir, of this run (0: none yet), with
+    the rows past it cut from the metrics files (they are redone)."""
     ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
     folder, manifest, skipped = checkpoint.newest_complete(ckpt_root)
     if folder is None:
+        folders = [f for _, f in checkpoint.round_folders(ckpt_root)]
+        if skipped and not any(os.path.exists(os.path.join(f, checkpoint.MANIFEST)) for f in folders):
+            # No save ever finished (a full disk or a kill during the first checkpoint): there is
+            # nothing to continue and nothing to lose, so the rerun that the exit-5 line advises
+            # and a torchrun restart start from round 1 instead of refusing.
+            for f in folders:
+                shutil.rmtree(f)
+            print(f"fedddp: no checkpoint in {ckpt_root} was ever completed ({'; '.join(skipped)}); removed "
+                  "its round folder(s), starting from round 1", file=sys.stderr, flush=True)
+            return 0
         if skipped:
             raise DataError(f"checkpoints: {len(skipped)} round folder(s) in {ckpt_root} but none is "
                             f"complete ({'; '.join(skipped)}); nothing to resume: start over with "
@@ -222,6 +234,9 @@ def _choose_checkpoint(cfg: config.Config) -> int:
     if manifest["round"] > cfg.run.rounds:
         raise ConfigError(f"run.rounds: {cfg.run.rounds} is below the round of the checkpoint {folder} "
                           f"({manifest['round']}); set run.rounds >= {manifest['round']} to continue it")
+    # a damaged row is one line (exit 3) here, before any data loads
+    with outdir.disk_full_is_one_line("metrics.jsonl, metrics.csv and clients.jsonl", cfg.run.out_dir, folder):
+        logs.cut_back(cfg.run.out_dir, manifest["round"])
     why = f"; skipped {'; '.join(skipped)}" if skipped else ""
     print(f"fedddp: resuming from round {manifest['round']} ({folder}){why}", file=sys.stderr, flush=True)
     return manifest["round"]
@@ -355,10 +370,12 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         test_loss, test_metric = evaluate_round(run, comm, round_idx)
         clock["evaluate"] = time.perf_counter()
         stopping = bool(rc.stop_after) and round_idx == rc.stop_after
-        checkpoint_round(run, comm, round_idx, stopping)
+        written = checkpoint_files(run, comm, round_idx, stopping)
         clock["checkpoint"] = time.perf_counter()
         if book is not None:
-            book.write_round(plan, reported, train_s_R, clock, diagnostics, train_loss, stacks, test_loss, test_metric)
+            book.write_round(plan, reported, train_s_R, clock, diagnostics, train_loss, stacks, test_loss, test_metric,
+                             sync=written is not None)
+        complete_checkpoint(run, comm, round_idx, written)
         last_round = round_idx
         if stopping:
             break
@@ -528,17 +545,30 @@ def evaluate_round(run: Setup, comm, round_idx: int) -> tuple[float | None, floa
     return evaluate(run.model, run.data.test, comm, run.task)
 
 
-def checkpoint_round(run: Setup, comm, round_idx: int, stopping: bool) -> None:
-    """Every run.ckpt_every rounds, and at run.stop_after: rank 0 the server part, every rank its
-    clients' states."""
+def checkpoint_files(run: Setup, comm, round_idx: int, stopping: bool):
+    """Every run.ckpt_every rounds, and at run.stop_after: rank 0 writes the server part, every rank
+    its clients' states; the manifest that completes the checkpoint waits for the round's rows
+    (``complete_checkpoint``). None on other rounds."""
     rc = run.cfg.run
     if not rc.ckpt_every or (round_idx % rc.ckpt_every and not stopping):
-        return
+        return None
     server = {"round": round_idx, "global_P": run.global_P.cpu(), "state": {k: v.cpu() for k, v in run.state.items()},
               "torch_rng": torch.get_rng_state()} if comm.is_main else None
     with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", run.ckpt_root, run.last_ckpt):
-        run.last_ckpt = checkpoint.save(comm, run.ckpt_root, round_idx, server, run.client_states,
-                                        checkpoint.identity(run.cfg))
+        return checkpoint.write_files(comm, run.ckpt_root, round_idx, server, run.client_states,
+                                      checkpoint.identity(run.cfg))
+
+
+def complete_checkpoint(run: Setup, comm, round_idx: int, written) -> None:
+    """The manifest, after the round's rows are durable. A checkpoint must never be complete
+    without its round's rows: a run killed in between would resume after the round and its rows
+    would be missing for good. In this order a kill in between leaves the round folder
+    incomplete; resume takes the previous checkpoint and cuts the rows back to it
+    (logs.cut_back)."""
+    if written is None:
+        return
+    with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", run.ckpt_root, run.last_ckpt):
+        run.last_ckpt = checkpoint.complete(comm, written)
 
 
 class Book:
@@ -550,8 +580,8 @@ class Book:
         rc, self.run, self.world_size = run.cfg.run, run, comm.world_size
         with outdir.disk_full_is_one_line("config.toml and metrics.jsonl", rc.out_dir, run.last_ckpt):
             checkpoint.atomic_write_text(config.dumps(run.cfg), os.path.join(rc.out_dir, "config.toml"))
-            # metrics.jsonl, metrics.csv, clients.jsonl, tensorboard/: replaced by a fresh run,
-            # cut back to the checkpoint's round by a resumed one
+            # metrics.jsonl, metrics.csv, clients.jsonl, tensorboard/: replaced by a fresh run; a
+            # resumed one's were cut back to its checkpoint's round in run()
             self.logs = logs.RunLogs(rc.out_dir, run.start_round, rc.tensorboard)
         self.progress = Progress(rc.rounds, rc.progress, run.task.metric_key)
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
@@ -562,7 +592,9 @@ class Book:
                   f"aggregation: {form}", file=sys.stderr, flush=True)
 
     def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
-                    diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric) -> None:
+                    diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric, sync: bool) -> None:
+        """The round's rows (fsynced when ``sync``: a checkpoint completes after them) and the
+        progress line."""
         run, t = self.run, clock
         # test_accuracy is always a key (the output contract). The metric goes under its task's
         # key: test_accuracy itself for classification; for regression test_mae, and
@@ -577,7 +609,7 @@ class Book:
                 "checkpoint_s": t["checkpoint"] - t["evaluate"], "clients": plan.sampled,
                 "num_reports": len(reported), "dropped": sorted(set(plan.sampled) - set(reported))}
         rank_of = {c: r for r, clients in enumerate(plan.per_rank) for c in clients}
-        line = self.logs.write_round(line, diagnostics, stacks, reported, rank_of, run.last_ckpt)
+        line = self.logs.write_round(line, diagnostics, stacks, reported, rank_of, run.last_ckpt, sync=sync)
         self.progress.update(plan.round_idx, run.start_round, line)
 
     def finish(self, last_round: int, final: dict) -> None:

@@ -26,7 +26,11 @@ its own --ranks GPUs through CUDA_VISIBLE_DEVICES. --slurm submits one submitit 
 task per pending combination (each task: one rank per GPU, requeued with run.resume=true on
 preemption or time-out, as python -m fedddp.slurm does); its flags follow fedddp.slurm's.
 
-Exit status: 0 every run done; 1 some run failed (named, with its log); 2 bad configuration.
+SIGTERM, SIGINT (Ctrl-C) or SIGHUP is passed on to the running runs, and the sweep waits for
+them to end before it exits; rerun the same command to continue.
+
+Exit status: 0 every run done; 1 some run failed (named, with its log); 2 bad configuration;
+128 + the signal's number when stopped by a signal (130 SIGINT, 143 SIGTERM).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import itertools
 import os
 import queue
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -274,6 +279,19 @@ def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: in
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     lock = threading.Lock()
     failed: list[str] = []
+    # SIGTERM, SIGINT or SIGHUP stops the sweep: each running run gets the signal once (they are
+    # in sessions of their own, so a terminal's Ctrl-C or hangup reaches them only this way), no
+    # run starts after it, and the sweep waits for them all. A run left going in the background
+    # would hold its folder's lock, and rerunning the sweep would be refused there.
+    running: set[subprocess.Popen] = set()
+    stopped: list[int] = []
+    start_lock = threading.RLock()  # a run is started or signalled, not both halfway; re-entered by a second signal
+
+    def stop(signum, frame) -> None:
+        with start_lock:
+            stopped.append(signum)
+            for proc in running:
+                proc.send_signal(signum)
 
     def say(line: str) -> None:
         with lock:
@@ -282,6 +300,8 @@ def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: in
     def one(index: int, point: Point) -> None:
         env = slots.get()
         try:
+            if stopped:
+                return
             cmd = launcher(ranks) + run_argv(base, point)
             log_path = os.path.join(out, "logs", f"{point.name}.log")
             say(f"[{index}/{len(todo)}] {point.status:7s} {point.name}")
@@ -289,10 +309,19 @@ def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: in
             with open(log_path, "a") as log:
                 log.write("$ " + " ".join([f"{k}={v}" for k, v in env.items()] + [shlex.join(cmd)]) + "\n")
                 log.flush()
-                status = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **env}).returncode
+                with start_lock:
+                    if stopped:
+                        return
+                    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                            start_new_session=True)
+                    running.add(proc)
+                status = proc.wait()
+                with start_lock:
+                    running.discard(proc)
             if status == 0:
                 say(f"[{index}/{len(todo)}] done    {point.name} ({time.perf_counter() - start:.1f} s)")
+            elif stopped:
+                say(f"[{index}/{len(todo)}] stopped {point.name} (exit {status})")
             else:
                 with open(log_path) as fh:
                     last = (fh.read().strip().splitlines() or [""])[-1]
@@ -302,15 +331,21 @@ def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: in
         finally:
             slots.put(env)
 
-    pool = ThreadPoolExecutor(max_workers=parallel)
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        handlers = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        for future in [pool.submit(one, i, p) for i, p in enumerate(todo, 1)]:
-            future.result()
-    except KeyboardInterrupt:
-        # the running runs got the same SIGINT from the terminal; start no more
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    pool.shutdown()
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            for future in [pool.submit(one, i, p) for i, p in enumerate(todo, 1)]:
+                future.result()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    if stopped:
+        name = signal.Signals(stopped[0]).name
+        print(f"fedddp.sweep: stopped by {name}; every started run has ended; rerun the same command to "
+              "continue", file=sys.stderr)
+        return 128 + stopped[0]
     if failed:
         print(f"fedddp.sweep: {len(failed)} of {len(todo)} run(s) failed: {'; '.join(failed)}", file=sys.stderr)
         return 1

@@ -113,6 +113,27 @@ def test_no_complete_round_folder_refuses_with_status_3(stopped, tmp_path, capsy
     assert not (out / "final.pt").exists() and len(metrics(out)) == 4
 
 
+def _damage_line(path, number):
+    """Line ``number`` of a metrics file begins with a stray byte where its round was."""
+    lines = path.read_bytes().split(b"\n")
+    lines[number - 1] = b"#" + lines[number - 1][1:]
+    path.write_bytes(b"\n".join(lines))
+
+
+@pytest.mark.parametrize("name,number", [("metrics.jsonl", 3), ("clients.jsonl", 5), ("metrics.csv", 2)])
+def test_a_damaged_row_refuses_the_resume_in_one_line_naming_it(name, number, stopped, tmp_path, capsys):
+    """Regression: one damaged line in metrics.jsonl made the resume a JSONDecodeError traceback.
+    The checkpoint says which rows stay, but not what a damaged one held: the resume is refused
+    (exit 3) naming the file and the line, before any data loads, and no file is rewritten."""
+    out, status, lines = _resume(stopped, tmp_path, capsys, lambda o: _damage_line(o / name, number))
+    assert status == 3 and len(lines) == 1, lines
+    assert lines[0].startswith(f"fedddp: error: {out / name}: line {number} is damaged ("), lines
+    assert "repair that line and resume again, or start over with run.resume=false run.overwrite=true" in lines[0]
+    for other in ("metrics.jsonl", "clients.jsonl", "metrics.csv"):
+        if other != name:
+            assert (out / other).read_bytes() == (stopped / other).read_bytes(), other
+
+
 CHANGES = [
     ("data.num_clients=20", "data.num_clients 30 -> 20"),
     ("run.seed=7", "run.seed 0 -> 7"),

@@ -218,3 +218,24 @@ def test_nesterov_without_sgd_momentum_is_refused(overrides):
     with pytest.raises(ConfigError, match="train.nesterov: needs train.optimizer = sgd and train.momentum > 0"):
         config.load(None, overrides)
     config.load(None, ["train.nesterov=true", "train.momentum=0.9"])
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["train.lr_schedule=steplr", "train.lr_gamma=-0.5"], "train.lr_gamma: must be >= 0, got -0.5"),
+    (["data.synthetic_classes=0"], "data.synthetic_classes: must be > 0, got 0"),
+    (["data.synthetic_alpha=-1"], "data.synthetic_alpha: must be >= 0, got -1.0"),
+    (["data.synthetic_beta=-1"], "data.synthetic_beta: must be >= 0, got -1.0"),
+    (["data.synthetic_dim=0"], "data.synthetic_dim: must be > 0, got 0"),
+], ids=lambda v: v[-1] if isinstance(v, list) else None)
+def test_values_that_broke_a_run_are_config_errors_before_anything_starts(overrides, words, tmp_path, capsys):
+    """Regression: a negative StepLR gamma was a ValueError traceback once the rate turned
+    negative mid-run, 0 synthetic classes or a negative synthetic alpha (or beta) a traceback
+    while building the data, and synthetic_dim = 0 trained a model with a [10, 0] weight and
+    exited 0. Each is now one line, exit 2, before the run folder is made or any data built."""
+    from fedddp.__main__ import main as fedddp_main
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert fedddp_main(overrides + [f"run.out_dir={out}", "run.progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedddp: error: 1 configuration error(s): ") and words in err[0], err
+    assert not out.exists()

@@ -1,6 +1,7 @@
 """Restarts without a human: torchrun --max-restarts after a rank is killed, workers that know
 they were restarted, and checkpoints that survive a save killed half-way."""
 
+import csv
 import os
 import signal
 import subprocess
@@ -9,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from fedddp import checkpoint, env
+from fedddp import checkpoint, env, logs
 from fedddp.__main__ import main as fedddp_main
 from fedddp.comm import Comm
-from fedrun import QUICKSTART, REPO, SLOW, assert_same_state, final_state, metrics, rank_pid, wait_for_rounds
+from fedrun import (QUICKSTART, REPO, SLOW, assert_same_state, client_rows, final_state, metrics, rank_pid,
+                    wait_for_rounds)
 
 
 
@@ -67,6 +69,46 @@ def test_restarted_worker_resumes_without_being_told(tmp_path, monkeypatch, caps
     # Rounds 1-3 were not run again: their lines (timings included) are the first run's.
     assert (part / "metrics.jsonl").read_text().splitlines()[:3] == first_lines
     assert [m["round"] for m in metrics(part)] == list(range(1, 7))
+    assert_same_state(final_state(full), final_state(part))
+
+
+TIMINGS = {"time_s", "train_s", "train_imbalance_s", "communicate_s", "aggregate_s", "evaluate_s", "checkpoint_s",
+           "train_time_s"}
+
+
+def _rows_without_timings(out) -> tuple[list[dict], ...]:
+    """metrics.jsonl, clients.jsonl and metrics.csv, row by row, the seconds left out."""
+    with open(out / "metrics.csv", newline="") as fh:
+        table = list(csv.DictReader(fh))
+    return tuple([{k: v for k, v in row.items() if k not in TIMINGS} for row in rows]
+                 for rows in (metrics(out), client_rows(out), table))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_run_interrupted_between_a_checkpoint_and_its_rows_resumes_with_every_row(tmp_path, monkeypatch, when):
+    """Regression: round 4's checkpoint was complete before round 4's rows were written, so a
+    run interrupted in between resumed at round 5, and round 4 was missing from metrics.jsonl,
+    metrics.csv and clients.jsonl for good. The interruption (KeyboardInterrupt, what SIGINT
+    raises) comes after round 4's checkpoint files are written, just before or just after its
+    rows: either way the resumed files read as the uninterrupted run's."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert fedddp_main(ARGS + [f"run.out_dir={full}"]) == 0
+    write_round = logs.RunLogs.write_round
+
+    def interrupted(self, line, *args, **kwargs):
+        if line["round"] == 4 and when == "before":
+            raise KeyboardInterrupt
+        written = write_round(self, line, *args, **kwargs)
+        if line["round"] == 4:
+            raise KeyboardInterrupt
+        return written
+
+    monkeypatch.setattr(logs.RunLogs, "write_round", interrupted)
+    assert fedddp_main(ARGS + [f"run.out_dir={part}"]) == 130
+    monkeypatch.setattr(logs.RunLogs, "write_round", write_round)
+    assert (part / "checkpoints" / "round_000004" / "server.pt").exists()
+    assert fedddp_main(ARGS + [f"run.out_dir={part}", "run.resume=true"]) == 0
+    assert _rows_without_timings(part) == _rows_without_timings(full)
     assert_same_state(final_state(full), final_state(part))
 
 

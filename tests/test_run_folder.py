@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,6 +163,43 @@ def test_full_disk_while_checkpointing_is_one_line_and_resumes(tmp_path, capsys,
     status, lines = _main(ARGS + [f"run.out_dir={out}", "run.resume=true"], capsys)
     assert status == 0 and lines[0].startswith("fedddp: resuming from round 2 ("), lines
     assert_same_state(final_state(full), final_state(out))
+
+
+def test_full_disk_before_the_first_checkpoint_then_the_advised_rerun_and_a_restart_work(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Regression: a full disk during the first checkpoint said "free space and rerun", but the
+    plain rerun was refused (a folder with results) and run.resume=true, like a torchrun
+    restart, exited 3 (round folders but none complete). The line now advises run.resume=true,
+    which removes the round folder whose save never finished, says so, and starts from round 1;
+    a restart does the same."""
+    full, out = tmp_path / "full", tmp_path / "o"
+    assert fedddp_main(ARGS + [f"run.out_dir={full}"]) == 0
+    real_save = checkpoint.atomic_save
+
+    def saving_on_a_full_disk(obj, path):
+        if path.endswith(os.path.join("round_000002", "server.pt")):
+            _no_space()
+        return real_save(obj, path)
+
+    monkeypatch.setattr(checkpoint, "atomic_save", saving_on_a_full_disk)
+    status, lines = _main(ARGS + [f"run.out_dir={out}"], capsys)
+    assert status == 5 and len(lines) == 1, lines
+    assert lines[0].endswith("no complete checkpoint yet: free space and rerun with run.resume=true (it starts "
+                             "from round 1)"), lines
+    monkeypatch.setattr(checkpoint, "atomic_save", real_save)
+    restarted = tmp_path / "restarted"
+    shutil.copytree(out, restarted)
+    removed = ("was ever completed (round_000002: no manifest (its save did not finish)); removed its round "
+               "folder(s), starting from round 1")
+    status, lines = _main(ARGS + [f"run.out_dir={out}", "run.resume=true"], capsys)
+    assert status == 0 and lines == [f"fedddp: no checkpoint in {out / 'checkpoints'} {removed}"], lines
+    assert [m["round"] for m in metrics(out)] == list(range(1, 7))
+    assert_same_state(final_state(full), final_state(out))
+    # torchrun --max-restarts restarts the plain command with TORCHELASTIC_RESTART_COUNT > 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    status, lines = _main(ARGS + [f"run.out_dir={restarted}"], capsys)
+    assert status == 0 and lines[-1] == f"fedddp: no checkpoint in {restarted / 'checkpoints'} {removed}", lines
+    assert_same_state(final_state(full), final_state(restarted))
 
 
 def test_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeypatch):

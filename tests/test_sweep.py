@@ -4,6 +4,7 @@ a run with other settings; --ranks runs through torchrun; --slurm submits a job 
 
 import glob
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ import pytest
 
 from fedddp import config, sweep
 from fedddp.errors import ConfigError
-from fedrun import REPO, assert_same_state, final_state, metrics, run_fedddp
+from fedrun import REPO, assert_same_state, descendants, final_state, metrics, run_fedddp, wait_for_rounds
 
 SWEEP_FILE = """
 [run]
@@ -126,6 +127,52 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
     refused = run_sweep(path, "--out", str(out), "--dry-run")
     assert refused.returncode == 2 and "holds a run with other settings (data.num_clients: 8 there, 9 here)" \
         in refused.stderr
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_sweep_and_its_running_run(tmp_path):
+    """Regression: a sweep sent SIGTERM ended alone and left its running run going in the
+    background, holding its folder's lock, so rerunning the sweep failed that run with exit 2
+    "in use by another run". The sweep now passes the signal on, waits for the run to end and
+    exits 143; the rerun then resumes the run."""
+    # rounds slow enough (an MLP, 2 local epochs, 10 clients) that the run is mid-way when signalled
+    path = write_sweep(tmp_path, SWEEP_FILE.replace("rounds = 3", "rounds = 5").replace(
+        "clients_per_round = 2", "clients_per_round = 8") + "[model]\nname = 'mlp'\nhidden = 128\n"
+        "[train]\nlocal_epochs = 2\n")
+    out, log = tmp_path / "out", open(tmp_path / "sweep.out", "w+")
+    cmd = [sys.executable, "-m", "fedddp.sweep", path, "run.seed=0", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    runs = []
+    try:
+        wait_for_rounds(out / "seed=0", 1, proc, log)
+        runs = descendants(proc.pid)
+        assert runs
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(timeout=120)
+        left = [pid for pid in runs if _alive(pid)]
+    finally:  # nothing of the test outlives it, whatever failed
+        for pid in runs:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    text = log.read()
+    assert status == 143 and not left, (status, left, text[-3000:])
+    assert "fedddp.sweep: stopped by SIGTERM" in text and "stopped seed=0" in text, text[-3000:]
+    assert not (out / "seed=0" / "final.pt").exists()
+    again = run_sweep(path, "run.seed=0", "--out", str(out))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [row["round"] for row in metrics(out / "seed=0")] == list(range(1, 6))
 
 
 @pytest.mark.slow
