@@ -42,7 +42,7 @@ import sys
 import time
 
 from . import summary, sweep
-from .checkpoint import atomic_write_text
+from .atomic import atomic_write_text
 from .errors import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from ..checkpoint import atomic_write_text
+from ..atomic import atomic_write_text
 
 SUBSET = "FD001"
 # Levels like FD001's, their drift towards failure, and their noise (s1, s5, s6, s10, s16, s18,
