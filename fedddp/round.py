@@ -273,6 +273,10 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     if rc.parallel_clients > 1:
         from .client.batched import BatchedTrainer
         batched = BatchedTrainer(model, layout, cfg, rule, needs, task)
+        # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
+        first = next((c for c in (range(cfg.data.num_clients) if balanced else owned) if data.num_samples[c]), None)
+        if first is not None:
+            batched.try_step(data.train[first])
     report = ReportLayout(needs, layout.numel, num_layers)
 
     start_round, last_ckpt = 1, None
