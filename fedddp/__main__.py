@@ -6,7 +6,8 @@
   python -m fedddp --help                                                     every config key
 
 --check reads the config and builds every client's data and the model in this one process
-(what all ranks together would load), then says OK or exits with the status the run would: the launchers run it
+(what all ranks together would load; with run.parallel_clients > 1 it tries one side-by-side
+step too), then says OK or exits with the status the run would: the launchers run it
 before they start any rank.
 
 Exit status: 0 done; 2 bad configuration; 3 data missing, unreadable or not finite; 4 the model
@@ -85,7 +86,11 @@ def check(path: str | None, overrides: list[str], data: bool = True) -> config.C
         from .models import build_model
 
         built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
-        build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
+        model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
+        if cfg.run.parallel_clients > 1:  # one side-by-side step, as the run tries before round 1
+            from .client.batched import try_side_by_side
+
+            try_side_by_side(cfg, model, built)
     return cfg
 
 

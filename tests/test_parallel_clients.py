@@ -3,8 +3,10 @@ sequential reference (B = 1).
 
 Tolerance: the batched kernels sum in another order than the per-client ones, so the two paths
 agree to float32 rounding, not bit for bit. After 3 rounds the final models differ by at most
-TOL times the largest weight (measured: at most about 1e-6 of it for every case here; a wrong
-batch, learning rate, mask or optimizer state gives differences of 1e-3 and more).
+TOL times the largest weight (measured: at most about 1e-6 of it for every case here but two
+whose trajectories amplify rounding, each with its own tolerance and measurement: AUGMENT_TOL
+and RESNET_TOL; a wrong batch, learning rate, mask or optimizer state gives differences of 1e-3
+and more).
 Legend: B clients side by side, P flat elements.
 """
 
@@ -42,13 +44,13 @@ def final_P(tmp_path, parallel: int, overrides: list[str], rounds: int = 3) -> t
     return run(cfg, Comm(SINGLE, "cpu"))["global_P"]
 
 
-def assert_close(tmp_path, overrides: list[str], parallel: int = 4) -> torch.Tensor:
+def assert_close(tmp_path, overrides: list[str], parallel: int = 4, tol: float = TOL) -> torch.Tensor:
     sequential_P = final_P(tmp_path, 1, overrides)
     batched_P = final_P(tmp_path, parallel, overrides)
     scale = sequential_P.abs().max().item()
     diff = (sequential_P - batched_P).abs().max().item()
     print(f"max |diff| {diff / scale:.2e} of the weights' scale")
-    assert diff <= TOL * scale, f"max |diff| {diff:.3g}, {diff / scale:.3g} of the weights' scale"
+    assert diff <= tol * scale, f"max |diff| {diff:.3g}, {diff / scale:.3g} of the weights' scale"
     return sequential_P
 
 
@@ -113,14 +115,82 @@ def mnist_root(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("extra", [["algorithm.name=feder"], ["data.augment=true"]], ids=["feder", "augment"])
-def test_cnn_equals_sequential(tmp_path, mnist_root, extra):
+# With augmentation this CNN's trajectory passes a ReLU kink in round 2 (one unit of the fully
+# connected layer, 426, switches on or off), so float32 rounding moves the sequential path itself
+# by 6.2e-5 of the weights' scale: with its start weights moved by one ulp (each up or down at
+# random, 5 draws) it ends 6.16e-5 to 6.17e-5 away from itself, as far as side by side is
+# (6.17e-5; 3.8e-6 from the moved runs), with torch 2.14.1. Augmentation draws that differ move
+# the model by 1.7e-2 and more (one draw out of place per client: 1.7e-2; mirrored batches:
+# 1.9e-2), and each path feeds the model the same augmented batches bit for bit, client by client
+# and step by step. Hence 3e-4: 5x the path's own sensitivity, 50x below a wrong draw.
+# `python tests/test_parallel_clients.py augment` measures both.
+AUGMENT_TOL = 3e-4
+CNN_CASES = [(["algorithm.name=feder"], TOL), (["data.augment=true"], AUGMENT_TOL)]
+
+
+def cnn_overrides(root) -> list[str]:
+    return ["data.name=mnist", f"data.root={root}", "data.holdout_from_test=0.5", "data.num_clients=6",
+            "run.clients_per_round=5", "model.name=cnn", "train.batch_size=16", "train.lr=0.05",
+            "run.eval_every=100", "run.progress=false"]
+
+
+@pytest.mark.parametrize("extra,tol", CNN_CASES, ids=["feder", "augment"])
+def test_cnn_equals_sequential(tmp_path, mnist_root, extra, tol):
     """Seed 002's CNN on images: with FedER's effective ranks computed from the batched models,
     and with augmentation, whose draws interleave with each client's shuffling."""
-    assert_close(tmp_path, ["data.name=mnist", f"data.root={mnist_root}", "data.holdout_from_test=0.5",
-                            "data.num_clients=6", "run.clients_per_round=5", "model.name=cnn",
-                            "train.batch_size=16", "train.lr=0.05", "run.eval_every=100", "run.progress=false",
-                            *extra], parallel=3)
+    assert_close(tmp_path, cnn_overrides(mnist_root) + extra, parallel=3, tol=tol)
+
+
+def test_augmented_batches_are_the_sequential_paths():
+    """Each client's model input, step by step, is the same augmented batch bit for bit in both
+    paths (crop, flip and cutout drawn after each epoch's permutation from the client's own
+    generator): the augment case above differs by rounding only. Clients of 7, 23 and 40 images
+    (batch 10, one epoch: 1, 3 and 4 steps), so clients leave the group at different steps."""
+    from fedddp.client import ClientContext, rules, train_client
+    from fedddp.data import ClientData
+    from fedddp.flat import FlatLayout
+    from fedddp.models import cnn
+    from fedddp.tasks import CLASSIFICATION
+
+    torch.manual_seed(0)
+    model = cnn((1, 28, 28), 10)
+    layout = FlatLayout(model)
+    global_P = layout.flatten(model).clone()
+    cfg = config.load(None, ["run.parallel_clients=3", "train.batch_size=10", "data.augment=true"])
+    clients = [ClientData(torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))) for n in (7, 23, 40)]
+    steps = (1, 3, 4)
+
+    def job(cid, data):
+        ctx = ClientContext(cid, 1, global_P, layout, cfg.algorithm, task=CLASSIFICATION)
+        return ctx, data, 100 + cid, 0, {"params_P": torch.zeros(layout.numel)}
+
+    class Recorded(rules.LocalRule):
+        def gradient(self, model, x, y, ctx):
+            sequential[-1].append(x.clone())
+            return super().gradient(model, x, y, ctx)
+
+    sequential = []
+    for cid, data in enumerate(clients):
+        layout.unflatten_into(global_P, model)
+        sequential.append([])
+        ctx, data, seed, work, out = job(cid, data)
+        train_client(model, ctx, data, cfg, Recorded(), frozenset(), seed, out, work)
+    fed = []
+    trainer = batched.BatchedTrainer(model, layout, cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
+    gradients = trainer._gradients
+
+    def recorded(params_T, stacks, shared, x, y, mask, count, *rest):
+        fed.append([x[j, :int(n)].clone() for j, n in enumerate(count.tolist())])
+        return gradients(params_T, stacks, shared, x, y, mask, count, *rest)
+
+    trainer._gradients = recorded
+    trainer.train_group([job(cid, data) for cid, data in enumerate(clients)])
+    assert [len(batches) for batches in sequential] == list(steps)
+    for step, batches in enumerate(fed):
+        live = [b for b in range(3) if steps[b] > step]
+        assert len(batches) == len(live)
+        for b, x in zip(live, batches):
+            assert torch.equal(x, sequential[b][step]), (b, step)
 
 
 def test_ffnn_regressor_equals_sequential(tmp_path):
@@ -375,3 +445,245 @@ def test_a_last_batch_of_one_sample_for_batch_norm_is_refused_before_training(tm
     assert "set train.batch_size = 20" in proc.stderr
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
     run_fedddp(args + ["train.batch_size=20", f"run.out_dir={tmp_path / 'good'}"], config=None, env=env)
+
+
+# -- Dropout and other random operations -------------------------------------------------
+
+
+def dropout_mlp(input_shape, num_classes, batch_norm: bool = False):
+    """A plugin model (test_parallel_clients:dropout_mlp): nn.Dropout on the inputs and after each
+    hidden layer (p 0.2, 0.5, 0.3), head(features(x)) for MOON; with ``batch_norm`` a
+    BatchNorm1d after the first layer (which then has no bias, as in ResNet)."""
+    from fedddp.models import Net
+
+    nn = torch.nn
+    first = [nn.Linear(int(torch.tensor(input_shape).prod()), 32, bias=not batch_norm)]
+    first += [nn.BatchNorm1d(32)] if batch_norm else []
+    return Net(nn.Sequential(nn.Flatten(), nn.Dropout(0.2), *first, nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 16),
+                             nn.ReLU(), nn.Dropout(0.3)), nn.Linear(16, num_classes))
+
+
+def dropout_batch_norm_mlp(input_shape, num_classes):
+    return dropout_mlp(input_shape, num_classes, batch_norm=True)
+
+
+class Noise(torch.nn.Module):
+    """Gaussian noise in training: a random operation that is not nn.Dropout."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x) if self.training else x
+
+
+def noisy_mlp(input_shape, num_classes):
+    from fedddp.models import Net
+
+    nn = torch.nn
+    return Net(nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), 16), Noise(), nn.ReLU()),
+               nn.Linear(16, num_classes))
+
+
+DROPOUT = BLOBS + ["model.name=test_parallel_clients:dropout_mlp"]
+DROPOUT_CASES = [["algorithm.name=fedavg"], ["train.momentum=0.9", "train.weight_decay=0.01"],
+                 ["train.optimizer=adam", "train.lr=0.01"], ["algorithm.name=fedsam"],
+                 ["algorithm.name=scaffold", "algorithm.scaffold_control=I"], ["algorithm.name=moon"],
+                 ["model.name=test_parallel_clients:dropout_batch_norm_mlp"]]
+
+
+@pytest.mark.parametrize("extra", DROPOUT_CASES, ids=[" ".join(e) for e in DROPOUT_CASES])
+def test_dropout_model_equals_sequential(tmp_path, extra):
+    """Each client's dropout masks are drawn from (its seed, step, layer) in both paths, side by
+    side outside vmap: the same masks for SAM's extra pass, per chunk for SCAFFOLD option I's
+    start gradient, none for MOON's frozen models (eval mode), beside masked BatchNorm; over 3
+    rounds with clients of unequal sizes and partial batches."""
+    assert_close(tmp_path, DROPOUT + extra)
+
+
+def test_dropout_masks_that_differ_would_fail(tmp_path, monkeypatch):
+    """Guards against masks that are not the sequential path's: with each side-by-side client's
+    masks drawn one step late, the model moves far beyond the tolerance. And dropout is on:
+    the model differs from the one trained without it (p = 0)."""
+    from fedddp.client import dropout
+
+    sequential_P = final_P(tmp_path, 1, DROPOUT)
+    masks = batched.BatchedTrainer._dropout_masks
+    monkeypatch.setattr(batched.BatchedTrainer, "_dropout_masks", lambda self, keys, *args: masks(
+        self, [(seed, step + 1) for seed, step in keys], *args))
+    late_P = final_P(tmp_path, 4, DROPOUT)
+    monkeypatch.setattr(dropout.SeededDropout, "forward", lambda self, x: x)
+    off_P = final_P(tmp_path, 1, DROPOUT)
+    for other_P in (late_P, off_P):
+        assert (sequential_P - other_P).abs().max().item() > 100 * TOL * sequential_P.abs().max().item()
+
+
+def test_dropout_masks_are_per_client_step_and_layer():
+    """A layer's mask depends on (client seed, step, layer index) alone; p of the entries are
+    zero and the rest 1 / (1 - p); eval mode and p = 0 leave the input as it is."""
+    from fedddp.client import dropout
+
+    masks = [dropout.mask(key, index, (400, 50), 0.3, "cpu") for key, index in
+             [((7, 0), 0), ((7, 0), 0), ((7, 1), 0), ((8, 0), 0), ((7, 0), 1)]]
+    assert torch.equal(masks[0], masks[1])
+    assert all(not torch.equal(masks[0], other) for other in masks[2:])
+    assert set(masks[0].unique().tolist()) == {0.0, torch.tensor(1 / 0.7).item()}
+    assert abs((masks[0] == 0).float().mean().item() - 0.3) < 0.01
+    layer = dropout.SeededDropout(0.3, 0)
+    layer.key, x = (7, 0), torch.randn(400, 50)
+    assert torch.equal(layer(x), x * masks[0])
+    assert layer.eval()(x) is x and dropout.SeededDropout(0.0, 0)(x) is x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [1, 3])
+def test_world_size_invariance_bitwise_with_dropout(tmp_path, size):
+    """A dropout model one after another and side by side: 1 and 2 gloo ranks give the same
+    final.pt bit for bit (masks depend on the client, never on the rank or group)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    args = DROPOUT + ["run.rounds=2", f"run.parallel_clients={size}", "train.local_work_min=1",
+                      "train.local_epochs=2"]
+    run_fedddp(args + [f"run.out_dir={tmp_path / 'one'}"], config=None, env=env)
+    run_fedddp(args + [f"run.out_dir={tmp_path / 'two'}"], config=None, nproc=2, env=env)
+    assert_same_state(final_state(tmp_path / "one"), final_state(tmp_path / "two"))
+
+
+def test_other_random_operations_side_by_side_are_one_line_before_round_1(tmp_path, capsys):
+    """A random operation that is not nn.Dropout's cannot be drawn per client under vmap:
+    ``--check`` with run.parallel_clients > 1 tries one side-by-side step and says so in one line
+    naming the module, exit 2 (the run refuses the same way before round 1); one after another,
+    and a dropout model side by side, pass the check."""
+    from fedddp.__main__ import main
+
+    noisy = BLOBS + ["model.name=test_parallel_clients:noisy_mlp", f"run.out_dir={tmp_path / 'noisy'}"]
+    assert main(["--check", *noisy, "run.parallel_clients=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "model.name = test_parallel_clients:noisy_mlp: its module features.2 (Noise) calls a random " \
+           "operation" in err and "set run.parallel_clients=1" in err
+    with pytest.raises(ConfigError, match=r"features.2 \(Noise\) calls a random operation"):
+        final_P(tmp_path, 3, noisy)
+    assert not (tmp_path / "B3" / "metrics.jsonl").exists()
+    assert main(["--check", *noisy, "run.parallel_clients=1"]) == 0
+    assert main(["--check", *DROPOUT, f"run.out_dir={tmp_path / 'dropout'}", "run.parallel_clients=3"]) == 0
+
+
+def test_dropout_on_a_dimension_other_than_the_batch_is_refused_side_by_side():
+    """Side-by-side masks are drawn per sample along the first dimension: a dropout layer whose
+    input has the batch elsewhere is a config error naming it, not masks of the wrong shape."""
+    from fedddp.client import dropout, rules
+    from fedddp.data import ClientData
+    from fedddp.flat import FlatLayout
+    from fedddp.models import Net
+    from fedddp.tasks import CLASSIFICATION
+
+    class Transpose(torch.nn.Module):
+        def forward(self, x):
+            return x.t()
+
+    nn = torch.nn
+    net = dropout.seeded(Net(nn.Sequential(nn.Linear(4, 8), Transpose(), nn.Dropout(0.5), Transpose()),
+                             nn.Linear(8, 2)))
+    cfg = config.load(None, ["run.parallel_clients=4"])
+    trainer = batched.BatchedTrainer(net, FlatLayout(net), cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
+    with pytest.raises(ConfigError, match=r"dropout layer features.2 sees inputs \[8, 1\], \[8, 2\].*"
+                                          "run.parallel_clients=1"):
+        trainer.try_step(ClientData(torch.randn(5, 4), torch.randint(0, 2, (5,))))
+
+
+class OneUlpCNN(torch.nn.Module):
+    """Seed 002's CNN (the same initial weights as model.name = cnn) with every weight then moved
+    by one ulp, up or down at random from ``OneUlpCNN.draw``: the sequential path's own
+    sensitivity to float32 rounding, measured by how far this moves its result."""
+
+    draw = 0
+
+    def __new__(cls, input_shape, num_classes):
+        from fedddp.models import cnn
+
+        net = cnn(input_shape, num_classes)
+        gen = torch.Generator().manual_seed(cls.draw)
+        with torch.no_grad():
+            for p in net.parameters():
+                up = torch.randint(0, 2, p.shape, generator=gen).bool()
+                p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf)))
+        return net
+
+
+def _measure_augment(draws: int = 5) -> None:
+    """The augment case: side by side against one after another, and the sequential path against
+    itself with its start weights moved by one ulp (``draws`` draws), of the weights' scale."""
+    import pathlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        make_mnist_like(folder, num=400)
+        overrides, tmp = cnn_overrides(folder) + ["data.augment=true"], pathlib.Path(folder)
+        sequential_P = final_P(tmp, 1, overrides)
+        scale = sequential_P.abs().max().item()
+        print(f"side by side (B = 3): {(final_P(tmp, 3, overrides) - sequential_P).abs().max() / scale:.2e}")
+        from test_parallel_clients import OneUlpCNN as plugin  # the class model.name imports (not __main__'s)
+
+        for draw in range(draws):
+            plugin.draw = draw
+            moved_P = final_P(tmp, 1, overrides + ["model.name=test_parallel_clients:OneUlpCNN"])
+            print(f"sequential, start weights moved by 1 ulp (draw {draw}): "
+                  f"{(moved_P - sequential_P).abs().max() / scale:.2e}")
+
+
+def _measure_adam_zero_gradient(seeds: int = 20, lr: float = 1e-3) -> None:
+    """One Adam step (no weight decay) of a Linear -> BatchNorm1d -> ReLU -> Linear model, whose
+    first bias has a true gradient of exactly 0 (BatchNorm subtracts the batch mean): side by side
+    (B = 3: clients of 7, 23 and 40 samples, full batch) against one after another, and the
+    sequential path against itself with its start weights moved by one ulp, as |diff| / lr."""
+    from fedddp.client import ClientContext, rules, train_client
+    from fedddp.data import ClientData
+    from fedddp.flat import FlatLayout
+    from fedddp.models import Net
+    from fedddp.tasks import CLASSIFICATION
+
+    cfg = config.load(None, ["run.parallel_clients=3", "train.batch_size=0", "train.optimizer=adam",
+                             f"train.lr={lr}", "train.local_steps=1"])
+    rule, nn = rules.get("plain"), torch.nn
+    bias, other, itself = [], [], []
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        model = Net(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 3))
+        layout = FlatLayout(model)
+        entry = next(e for e in layout.entries if e.name == "features.0.bias")
+        global_P = layout.flatten(model).clone()
+        moved_P = torch.nextafter(global_P, torch.where(torch.rand(global_P.shape) < 0.5, torch.inf, -torch.inf))
+        clients = [ClientData(torch.randn(n, 8), torch.randint(0, 3, (n,))) for n in (7, 23, 40)]
+
+        def job(cid, start_P):
+            ctx = ClientContext(cid, 1, start_P, layout, cfg.algorithm, task=CLASSIFICATION)
+            return ctx, clients[cid], 100 + cid, 0, {"params_P": torch.zeros(layout.numel)}
+
+        def sequential(start_P):
+            reports = []
+            for cid in range(3):
+                layout.unflatten_into(start_P, model)
+                ctx, data, client_seed, work, out = job(cid, start_P)
+                train_client(model, ctx, data, cfg, rule, frozenset(), client_seed, out, work)
+                reports.append(out["params_P"])
+            return reports
+
+        group = [job(cid, global_P) for cid in range(3)]
+        batched.BatchedTrainer(model, layout, cfg, rule, frozenset(), CLASSIFICATION).train_group(group)
+        for (*_, out), seq_P, moved in zip(group, sequential(global_P), sequential(moved_P)):
+            diff_P = (out["params_P"] - seq_P).abs() / lr
+            in_bias = torch.zeros_like(diff_P, dtype=torch.bool)
+            in_bias[entry.offset:entry.offset + entry.numel] = True
+            bias.append(diff_P[in_bias].max().item())
+            other.append(diff_P[~in_bias].max().item())
+            itself.append(((moved - seq_P).abs() / lr)[in_bias].max().item())
+    bias.sort()
+    print(f"{len(bias)} clients, one Adam step at lr {lr}: the bias before BatchNorm differs by up to "
+          f"{bias[-1]:.2f} lr (median {bias[len(bias) // 2]:.2f}); every other element by up to {max(other):.1e} lr; "
+          f"the sequential path moved by 1 ulp of its start weights: up to {max(itself):.2f} lr")
+
+
+if __name__ == "__main__":
+    # python tests/test_parallel_clients.py augment | adam-zero-gradient: the measurements behind
+    # AUGMENT_TOL and docs/architecture.md's figures for Adam on a bias before BatchNorm
+    import sys
+
+    {"augment": _measure_augment, "adam-zero-gradient": _measure_adam_zero_gradient}[sys.argv[1]]()

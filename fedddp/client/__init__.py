@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..sampling import batch_size_of
 from ..tasks import CLASSIFICATION, Task
+from . import dropout
 from .optim import build_optimizer, epoch_end, lr_at
 from .rules import LocalRule, param_views
 
@@ -105,11 +106,12 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     epochs_before = (ctx.round_idx - 1) * tc.local_epochs
 
     model.train()
+    drops = dropout.layers(model)  # their masks: drawn from (seed, step, layer), client.dropout
     if rule.needs_start_gradient(ctx.hp):
         # before seeding: the extra pass leaves the training's random stream as it was
-        ctx.scratch["start_grad_P"] = start_gradient(model, data, ctx.layout, tc.batch_size, ctx.task)
+        ctx.scratch["start_grad_P"] = start_gradient(model, data, ctx.layout, tc.batch_size, ctx.task, seed)
     gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)  # dropout and any other use of the global generator
+    torch.manual_seed(seed)  # any random op of the model other than nn.Dropout uses the global generator
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(tc, params, lr_at(tc, ctx.round_idx, epochs_before))
     rule.begin(model, ctx)
@@ -134,12 +136,14 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
         # zeros, one kernel per parameter fewer (a small model's GPU step is bound by launches);
         # rules.backward gives the bits of that sum (fedddp/client/rules.py)
         optimizer.zero_grad(set_to_none=True)
+        dropout.set_key(drops, (seed, step))
         loss = rule.gradient(model, x, y, ctx)
         losses.append(loss.detach())
         if step == total_steps - 1 and "last_grad_KP" in needs:
             ctx.layout.flatten_grads(model, out=out["last_grad_P"])
         lr_sum += optimizer.param_groups[0]["lr"]
         optimizer.step()
+    dropout.set_key(drops, None)
     ctx.layout.flatten(model, out=out["params_P"])
     rule.end(model, ctx, total_steps, lr_sum / max(total_steps, 1), out)
     loss_sum = 0.0
@@ -156,21 +160,25 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
 
 
 def start_gradient(model, data: ClientData, layout: FlatLayout, batch_size: int,
-                   task: Task = CLASSIFICATION) -> torch.Tensor:
+                   task: Task = CLASSIFICATION, seed: int | None = None) -> torch.Tensor:
     """SCAFFOLD option I's c_k+: the gradient of the client's mean data loss over all its samples
     at the model as given (the global one), [P], zero on buffers. In train mode, as the local
     steps compute theirs, over consecutive chunks of the local batch size, so BatchNorm normalises
     with batch statistics of the size the steps see (c_k estimates the mean step direction); the
-    running statistics are restored afterwards, so the pass changes nothing the training sees."""
+    running statistics are restored afterwards, so the pass changes nothing the training sees.
+    Dropout masks of chunk i are drawn from (``seed``, -1 - i), apart from the steps' (0, 1, ...)."""
     params = [p for p in model.parameters() if p.requires_grad]
     saved_buffers = [b.detach().clone() for b in model.buffers()]
     n = len(data)
     chunk = n if batch_size <= 0 else batch_size
     grads = [torch.zeros_like(p) for p in params]
+    drops = dropout.layers(model)
     for start in range(0, n, chunk):
         x, y = data.x[start:start + chunk], data.y[start:start + chunk]
+        dropout.set_key(drops, None if seed is None else (seed, -1 - start // chunk))
         for g, part in zip(grads, torch.autograd.grad(task.loss(model(x), y, reduction="sum") / n, params)):
             g.add_(part)
+    dropout.set_key(drops, None)
     with torch.no_grad():
         for b, saved in zip(model.buffers(), saved_buffers):
             b.copy_(saved)

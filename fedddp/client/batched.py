@@ -26,6 +26,11 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
 - reports: the trained parameters (and last-step directions) go from the stacks straight into
   the report rows; full-batch gradients (CGW) and effective ranks (FedER) are computed per
   client by the sequential functions, after loading its trained parameters into the model.
+- dropout: vmap refuses random operations, so each client's masks for the step are drawn
+  outside it from (its seed, step, layer) exactly as ``client.dropout.SeededDropout`` draws them
+  in the sequential path, padded with zeros, and the twin's ``_MaskedDropout`` layers multiply by
+  them; any other random operation is a config error naming the module, found before round 1 by
+  ``try_step`` (which the run and ``--check`` call).
 
 BatchNorm: each client has its own running statistics (running_mean, running_var,
 num_batches_tracked), stacked on the client dimension like the parameters and starting from the
@@ -65,7 +70,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..sampling import batch_size_of
-from . import ClientContext, batches_per_epoch, full_batch_gradient, planned_steps, start_gradient
+from . import ClientContext, batches_per_epoch, dropout, full_batch_gradient, planned_steps, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 from .optim import lr_at
 
@@ -105,6 +110,22 @@ _FLAT_BUFFERS_ERROR = ("run.parallel_clients: model.name = {} has BatchNorm, who
                        "model.flat_buffers=true or run.parallel_clients=1")
 
 
+def try_side_by_side(cfg, model, data) -> None:
+    """--check's trial of the run's side-by-side step (``BatchedTrainer.try_step``) on the first
+    client with samples of ``data`` (a built FederatedData), as the run makes it before round 1."""
+    from .. import strategies, tasks
+    from ..algorithms import resolve
+    from . import rules
+
+    local, server = resolve(cfg)
+    needs = strategies.ALWAYS | strategies.get(server).needs_for(cfg.algorithm)
+    trainer = BatchedTrainer(model, FlatLayout(model, buffers=cfg.model.flat_buffers), cfg, rules.get(local),
+                             needs, tasks.get(data.task))
+    first = next((c for c in range(cfg.data.num_clients) if data.num_samples[c]), None)
+    if first is not None:
+        trainer.try_step(data.train[first])
+
+
 class _Schedule:
     """One client's batches and learning rates, drawn exactly as ``train_client`` draws them."""
 
@@ -114,7 +135,7 @@ class _Schedule:
         self.batch_size, self.per_epoch = batch_size_of(n, tc.batch_size), batches_per_epoch(n, tc.batch_size)
         self.steps = planned_steps(n, tc, work)
         self.round_idx, self.epochs_before = round_idx, (round_idx - 1) * tc.local_epochs
-        self.gen = torch.Generator().manual_seed(seed)
+        self.seed, self.gen = seed, torch.Generator().manual_seed(seed)
         self.device, self.order = device, None
 
     def positions(self, step: int) -> torch.Tensor:
@@ -154,12 +175,14 @@ def _ascent(grads_T, rho: float, eps: float):
 
 
 class _Batch:
-    """What the masked BatchNorm layers of one forward read and write: the client's sample mask
-    [S] and count (under vmap each client's own), and, in the order the layers ran, the names of
-    the layers that computed batch statistics and those statistics."""
+    """What the masked BatchNorm and dropout layers of one forward read and write: the client's
+    sample mask [S] and count and its dropout masks by layer index ([S, ...] each; under vmap
+    each client's own), and, in the order the layers ran, the names of the layers that computed
+    batch statistics and those statistics."""
 
     def __init__(self):
         self.mask = self.count = None
+        self.drops = {}
         self.names, self.stats = [], []
 
 
@@ -196,14 +219,34 @@ class _MaskedBatchNorm(nn.Module):
         return out
 
 
+class _MaskedDropout(nn.Module):
+    """A ``dropout.SeededDropout`` whose mask is the client's for this step, ``batch.drops``
+    (drawn outside vmap as the sequential path draws it): no random operation under vmap."""
+
+    def __init__(self, layer: dropout.SeededDropout, batch: _Batch):
+        super().__init__()
+        self.p, self.index, self.batch = layer.p, layer.index, batch
+
+    def forward(self, x):
+        if not self.training or self.p == 0:
+            return x
+        return x * self.batch.drops[self.index]
+
+
 def _masked_twin(model: nn.Module, batch: _Batch) -> nn.Module:
-    """The model with each BatchNorm layer a ``_MaskedBatchNorm``, on the meta device:
-    functional_call supplies every parameter and buffer, so it holds no memory of its own."""
+    """The model with each BatchNorm layer a ``_MaskedBatchNorm`` and each dropout layer a
+    ``_MaskedDropout``, on the meta device: functional_call supplies every parameter and
+    buffer, so it holds no memory of its own."""
     twin = copy.deepcopy(model).to("meta")
     for name, module in list(twin.named_modules()):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            parent, _, child = name.rpartition(".")
-            setattr(twin.get_submodule(parent) if parent else twin, child, _MaskedBatchNorm(module, name, batch))
+            masked = _MaskedBatchNorm(module, name, batch)
+        elif isinstance(module, dropout.SeededDropout):
+            masked = _MaskedDropout(module, batch)
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(twin.get_submodule(parent) if parent else twin, child, masked)
     return twin
 
 
@@ -235,26 +278,103 @@ class BatchedTrainer:
                             if isinstance(m, nn.modules.batchnorm._BatchNorm)}
         self.integer_buffers = {n for n, b in model.named_buffers() if not b.dtype.is_floating_point}
         self.buffer_index = {e.name: i for i, e in enumerate(self.buffer_entries)}  # position in stacks["buffers"]
+        # dropout layers, and each one's input shape per sample (``_dropout_shapes``)
+        self.dropouts, self.drop_shapes = dropout.layers(model), None
         self.batch, self.stat_names = _Batch(), []
-        net = _masked_twin(model, self.batch) if self.batch_norms else model
+        self.net = net = _masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
 
-        def loss(params_T, buffers_T, x, y, mask, count):
-            output = self._forward(net, params_T, buffers_T, x, mask, count)
+        def loss(params_T, buffers_T, x, y, mask, count, drops):
+            output = self._forward(net, params_T, buffers_T, x, mask, count, drops)
             stats = self._collected()
             return (task.loss(output, y, reduction="none") * mask).sum() / count, stats
 
         # per client: (gradients of the loss, (the loss, BatchNorm batch statistics)) at its own
-        # parameters and batch
+        # parameters, batch and dropout masks
         self._plain = vmap(grad_and_value(loss, has_aux=True))
         self._moon = self._moon_grad_and_loss(net, task, cfg.algorithm) if rule.name == "moon" else None
 
-    def _forward(self, net, params_T, buffers_T, x, mask, count, prefix: str = "", training: bool = True):
+    def _forward(self, net, params_T, buffers_T, x, mask, count, drops, prefix: str = "", training: bool = True):
         """``net`` at the given parameters and buffers, in training or eval mode; BatchNorm over
-        the samples of ``mask`` (its statistics collected afresh in ``self.batch``)."""
+        the samples of ``mask`` (its statistics collected afresh in ``self.batch``), dropout
+        with the masks ``drops``."""
         self.batch.mask, self.batch.count, self.batch.names, self.batch.stats = mask, count, [], []
+        self.batch.drops = drops
         net.train(training)
         tensors = dict(zip([prefix + n for n in self.names], list(params_T) + list(buffers_T)))
         return functional_call(net, tensors, (x,))
+
+    def try_step(self, data) -> None:
+        """The side-by-side gradients on two samples of ``data`` (a client's), at the model's
+        parameters, the result discarded: what vmap cannot run (a random operation other than
+        nn.Dropout's, an operation without a batching rule) becomes one config error naming the
+        module, before round 1 (the run and --check call it)."""
+        x, y = data.x[:2], data.y[:2]
+        if self.dropouts:
+            self.drop_shapes = self._dropout_shapes(x)
+        flat_P = self.layout.flatten(self.model)
+        mask = torch.ones(1, len(y), device=x.device)
+        drops = self._dropout_masks([(0, 0)], [len(y)], len(y), x.device)
+        running = []  # the modules whose forward has begun and not returned: the innermost last
+
+        def enter(name):
+            return lambda module, args: running.append(name)  # None: the input stays
+
+        def leave(module, args, out):
+            running.pop()  # returns None: the output stays
+
+        hooks = []
+        for name, module in self.net.named_modules():
+            hooks += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
+        try:
+            self._plain(self._stacked(flat_P, self.param_entries, 1), self._stacked(flat_P, self.buffer_entries, 1),
+                        x[None], y[None], mask, mask.sum(1), drops)
+        except RuntimeError as exc:
+            where = f"its module {running[-1]} ({type(self.net.get_submodule(running[-1])).__name__})" \
+                if running and running[-1] else "its forward"
+            if "random" in str(exc):
+                why = ("calls a random operation, which side by side cannot draw per client (nn.Dropout "
+                       "layers can: their masks are drawn outside vmap)")
+            else:
+                why = f"does not run under torch.func.vmap ({str(exc).splitlines()[0]})"
+            raise ConfigError(f"run.parallel_clients: model.name = {self.cfg.model.name}: {where} {why}; set "
+                              "run.parallel_clients=1") from None
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _dropout_shapes(self, x) -> dict[int, tuple]:
+        """Each dropout layer's input shape per sample, by index, from eval forwards of one and
+        of two copies of the sample ``x[0]`` (nothing of the model changes). A layer's masks are
+        padded along its input's first dimension, so that must be the batch, and a layer called
+        more than once must see one shape: otherwise a config error."""
+        seen, batch = {}, [0]
+        hooks = [layer.register_forward_pre_hook(lambda m, args: seen.setdefault(m.index, set()).add(
+            (batch[0], tuple(args[0].shape)))) for layer in self.dropouts]
+        training = self.model.training
+        try:
+            with torch.no_grad():
+                self.model.eval()
+                for n in (1, 2):
+                    batch[0] = n
+                    self.model(x[:1].repeat((n,) + (1,) * (x.dim() - 1)))
+        finally:
+            self.model.train(training)
+            for hook in hooks:
+                hook.remove()
+        names = {m: name for name, m in self.model.named_modules()}
+        shapes = {}
+        for layer in self.dropouts:
+            calls = sorted(seen.get(layer.index, ()))
+            if not calls:
+                continue
+            if len(calls) != 2 or calls[0][1][:1] != (1,) or calls[1][1] != (2,) + calls[0][1][1:]:
+                raise ConfigError(
+                    f"run.parallel_clients: model.name = {self.cfg.model.name}: its dropout layer "
+                    f"{names[layer]} sees inputs {', '.join(str(list(shape)) for _, shape in calls)} for batches "
+                    "of 1 and 2 samples; side by side its masks are drawn per sample along the first "
+                    "dimension, which must be the batch's, one shape per layer; set run.parallel_clients=1")
+            shapes[layer.index] = calls[0][1][1:]
+        return shapes
 
     def _collected(self) -> tuple:
         """The batch statistics of the training forward just run, their layers' names kept for
@@ -269,34 +389,34 @@ class BatchedTrainer:
         own running statistics; (gradients, (loss, data loss, batch statistics)) per client."""
         represent = _Represent(net)
 
-        def at(params_T, buffers_T, x, mask, count, training=True):
-            return self._forward(represent, params_T, buffers_T, x, mask, count, "net.", training)
+        def at(params_T, buffers_T, x, mask, count, drops, training=True):
+            return self._forward(represent, params_T, buffers_T, x, mask, count, drops, "net.", training)
 
-        def loss(params_T, buffers_T, x, y, mask, count, global_T, global_buffers_T, prev_T, prev_buffers_T,
+        def loss(params_T, buffers_T, x, y, mask, count, drops, global_T, global_buffers_T, prev_T, prev_buffers_T,
                  has_prev):
-            z, output = at(params_T, buffers_T, x, mask, count)
+            z, output = at(params_T, buffers_T, x, mask, count, drops)
             stats = self._collected()  # before the frozen models' forwards start afresh
             data_loss = (task.loss(output, y, reduction="none") * mask).sum() / count
-            z_glob = at(global_T, global_buffers_T, x, mask, count, training=False)[0].detach()
-            z_prev = at(prev_T, prev_buffers_T, x, mask, count, training=False)[0].detach()
+            z_glob = at(global_T, global_buffers_T, x, mask, count, drops, training=False)[0].detach()
+            z_prev = at(prev_T, prev_buffers_T, x, mask, count, drops, training=False)[0].detach()
             sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1),
                                 F.cosine_similarity(z, z_prev, dim=1)], dim=1) / hp.moon_tau
             labels = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
             contrast = (F.cross_entropy(sims, labels, reduction="none") * mask).sum() / count
             return data_loss + has_prev * (hp.moon_mu * contrast), (data_loss, stats)
 
-        return vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, None, None, 0, 0, 0))
+        return vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, 0, None, None, 0, 0, 0))
 
-    def _gradients(self, params_T, stacks, shared, x, y, mask, count):
+    def _gradients(self, params_T, stacks, shared, x, y, mask, count, drops):
         """Per client: the gradients of its loss at its ``params_T`` (and its running statistics
-        ``stacks["buffers"]``) on its batch, its data loss (MOON's without the contrastive term, as
-        rules.Moon returns it), and its BatchNorm batch statistics (mean, unbiased variance per
-        layer in ``self.stat_names``' order, [L, C] each)."""
+        ``stacks["buffers"]``) on its batch with its dropout masks ``drops``, its data loss (MOON's
+        without the contrastive term, as rules.Moon returns it), and its BatchNorm batch statistics
+        (mean, unbiased variance per layer in ``self.stat_names``' order, [L, C] each)."""
         if self._moon is None:
-            grads_T, (loss_L, stats) = self._plain(params_T, stacks["buffers"], x, y, mask, count)
+            grads_T, (loss_L, stats) = self._plain(params_T, stacks["buffers"], x, y, mask, count, drops)
             return grads_T, loss_L, stats
         grads_T, (_, (data_loss, stats)) = self._moon(
-            params_T, stacks["buffers"], x, y, mask, count, shared["global"], shared["global_buffers"],
+            params_T, stacks["buffers"], x, y, mask, count, drops, shared["global"], shared["global_buffers"],
             stacks["prev"], stacks["prev_buffers"], stacks["has_prev"][0])
         return grads_T, data_loss, stats
 
@@ -341,9 +461,11 @@ class BatchedTrainer:
         # mode: SCAFFOLD option I's start gradient normalises with batch statistics)
         layout.unflatten_into(global_P, self.model)
         self.model.train()
+        if self.dropouts and self.drop_shapes is None:
+            self.drop_shapes = self._dropout_shapes(group[0][1].x)
         for (ctx, data, seed, work, out) in group:
             if rule.needs_start_gradient(hp):
-                ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task)
+                ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task, seed)
             if rule.name != "moon":  # MOON's begin makes frozen models; here its stacks below
                 rule.begin(self.model, ctx)
         # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
@@ -382,13 +504,13 @@ class BatchedTrainer:
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
                     optimizer.epoch_start(b, [p[j] for p in stacks["params"]])
-            x, y, mask, count, lr_L = self._batches([schedules[b] for b in live], step, device, group_x, group_y,
-                                                    [offsets_B[b] for b in live])
+            x, y, mask, count, drops, lr_L = self._batches([schedules[b] for b in live], step, device, group_x,
+                                                           group_y, [offsets_B[b] for b in live])
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            grads_T, loss_L, stats = self._gradients(stacks["params"], stacks, shared, x, y, mask, count)
+            grads_T, loss_L, stats = self._gradients(stacks["params"], stacks, shared, x, y, mask, count, drops)
             loss_sum_B[live] += loss_L.detach().double()
-            direction_T = self._direction(stacks, shared, grads_T, x, y, mask, count, hp)
+            direction_T = self._direction(stacks, shared, grads_T, x, y, mask, count, drops, hp)
             if stats:  # the step's one update of the running statistics (extra passes leave them)
                 stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)
             done = [j for j, b in enumerate(live) if steps_B[b] == step + 1]
@@ -426,10 +548,10 @@ class BatchedTrainer:
                 out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
             out["train_time"] = seconds
 
-    @staticmethod
-    def _batches(schedules: list[_Schedule], step: int, device, group_x, group_y, offsets: list[int]):
+    def _batches(self, schedules: list[_Schedule], step: int, device, group_x, group_y, offsets: list[int]):
         """This step's batches of the L clients, padded to the largest: x [L, S, ...], y [L, S],
-        mask [L, S] (1 on a client's own samples), count [L] (its batch size), and the rates.
+        mask [L, S] (1 on a client's own samples), count [L] (its batch size), the dropout masks
+        (``_dropout_masks``), and the rates.
         Without augmentation one gather from the group's samples (``group_x``, client j's from
         row ``offsets[j]``), so the number of kernels does not grow with L; padding takes the
         group's first sample, which the mask leaves out."""
@@ -442,6 +564,7 @@ class BatchedTrainer:
             mask = torch.zeros(len(batches), width, device=device)
             for j, (xj, yj) in enumerate(batches):
                 x[j, :len(yj)], y[j, :len(yj)], mask[j, :len(yj)] = xj, yj, 1.0
+            sizes = [len(yj) for _, yj in batches]
         else:
             positions = [s.positions(step) + offset for s, offset in zip(schedules, offsets)]
             width = max(len(p) for p in positions)
@@ -451,7 +574,23 @@ class BatchedTrainer:
                 index[j, :len(p)], mask[j, :len(p)] = p, 1.0
             index, mask = index.to(device), mask.to(device)
             x, y = group_x[index], group_y[index]
-        return x, y, mask, mask.sum(1), [s.lr(step) for s in schedules]
+            sizes = [len(p) for p in positions]
+        drops = self._dropout_masks([(s.seed, step) for s in schedules], sizes, width, device)
+        return x, y, mask, mask.sum(1), drops, [s.lr(step) for s in schedules]
+
+    def _dropout_masks(self, keys: list[tuple[int, int]], sizes: list[int], width: int, device) -> dict:
+        """The step's dropout masks by layer index, [L, S, ...] each: client j's first
+        ``sizes[j]`` rows are the mask train_client draws at its key (client seed, step), the
+        padding rows zero."""
+        drops = {}
+        for layer in self.dropouts:
+            shape = self.drop_shapes.get(layer.index)
+            if shape is None:  # not reached by the forward
+                continue
+            drops[layer.index] = masks = torch.zeros((len(keys), width) + shape, device=device)
+            for j, (key, size) in enumerate(zip(keys, sizes)):
+                masks[j, :size] = dropout.mask(key, layer.index, (size,) + shape, layer.p, device)
+        return drops
 
     def _flat_BP(self, stacks_T, rows: list[int], buffers_T=()) -> torch.Tensor:
         """[len(rows), P] flat vectors of the given rows of per-tensor stacks: parameters in layout
@@ -473,7 +612,7 @@ class BatchedTrainer:
             stacked.append(t.expand((B,) + e.shape).clone())
         return stacked
 
-    def _direction(self, stacks, shared, grads_T, x, y, mask, count, hp):
+    def _direction(self, stacks, shared, grads_T, x, y, mask, count, drops, hp):
         """The step direction of the local rule per client (rules.py has the sequential forms);
         FedSMOO's dual mu is updated in ``stacks`` on the way."""
         name, scratch = self.rule.name, shared | stacks
@@ -481,14 +620,14 @@ class BatchedTrainer:
         if name in ("sam", "gam", "gam_cv"):
             rho = hp.sam_rho if name == "sam" else hp.gam_rho
             shift_T = _ascent(grads_T, rho, 1e-12)
-            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count)
+            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count, drops)
             direction_T = adv_T if name == "sam" else [torch.add(g, a, alpha=hp.gam_alpha * rho)
                                                        for g, a in zip(grads_T, adv_T)]
         elif name == "smoo":
             mu_T, s_T = scratch["mu"], scratch["s"]
             shift_T = _ascent([g - m - s for g, m, s in zip(grads_T, mu_T, s_T)], hp.sam_rho, 1e-7)
             stacks["mu"] = [m + (e - s) for m, e, s in zip(mu_T, shift_T, s_T)]
-            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count)
+            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count, drops)
             direction_T = [a + hp.smoo_lambda * (p - anc) for a, p, anc in zip(adv_T, params_T, scratch["anchor"])]
         elif name == "prox":
             direction_T = [g + hp.prox_mu * (p - a) for g, p, a in zip(grads_T, params_T, scratch["anchor"])]
@@ -498,7 +637,7 @@ class BatchedTrainer:
             direction_T = [d + c for d, c in zip(direction_T, scratch["correction"])]
         return direction_T
 
-    def _grads_at(self, stacks, shared, shift_T, x, y, mask, count):
-        """Gradients at w + shift (SAM's extra pass)."""
+    def _grads_at(self, stacks, shared, shift_T, x, y, mask, count, drops):
+        """Gradients at w + shift (SAM's extra pass, with the step's dropout masks)."""
         shifted_T = [p + e for p, e in zip(stacks["params"], shift_T)]
-        return self._gradients(shifted_T, stacks, shared, x, y, mask, count)[0]  # statistics discarded
+        return self._gradients(shifted_T, stacks, shared, x, y, mask, count, drops)[0]  # statistics discarded

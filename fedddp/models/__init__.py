@@ -89,7 +89,8 @@ def build_model(cfg, input_shape, num_classes, task: str | None = None) -> nn.Mo
     """The model of ``model.name`` (a built-in, or ``module:attr`` called as (input_shape,
     num_classes)) for data of this shape and task, checked against what the run's rules need
     (``algorithms.check_model``: a ConfigError naming what is missing); MOON's projection head
-    added. Every rank builds the same model from the same seed."""
+    added; each nn.Dropout a ``client.dropout.SeededDropout``. Every rank builds the same model
+    from the same seed."""
     from .. import plugins
     from ..algorithms import check_model, resolve  # late: algorithms imports the strategy registry
     from ..errors import ConfigError
@@ -125,4 +126,6 @@ def build_model(cfg, input_shape, num_classes, task: str | None = None) -> nn.Mo
             net = Net(net.features, net.head)  # the contrastive term reads features, the loss head(...)
         if cfg.algorithm.moon_proj_dim > 0:
             net = add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)
-    return net
+    from ..client.dropout import seeded
+
+    return seeded(net)  # dropout masks per (client, step), the same one after another and side by side
