@@ -51,7 +51,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
     import torch
 
     sys.path.insert(0, REPO)
-    from fedddp import config, tasks
+    from fedddp import checks, tasks
     from fedddp.client import ClientContext, train_client
     from fedddp.client import rules
     from fedddp.client.batched import BatchedTrainer
@@ -63,7 +63,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
     device = torch.device(device_name)
     shape, classes = SHAPES[model_name]
     data_name = "cmapss" if model_name == "ffnn" else "mnist"
-    cfg = config.load(None, [f"model.name={model_name}", f"data.name={data_name}", f"train.batch_size={BATCH}",
+    cfg = checks.load(None, [f"model.name={model_name}", f"data.name={data_name}", f"train.batch_size={BATCH}",
                              f"train.local_steps={steps}", "train.lr=0.01", "data.num_clients=1000",
                              f"train.optimizer={optimizer}",
                              f"run.parallel_clients={num_clients if mode == 'batched' else 1}"])

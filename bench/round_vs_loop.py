@@ -47,7 +47,7 @@ sys.path.insert(0, REPO)
 
 import fedddp  # noqa: E402
 from fedddp import config as config_module, data as data_module  # noqa: E402
-from fedddp.models import build_model  # noqa: E402
+from fedddp.algorithms import build_model  # noqa: E402
 
 
 def tables(args, stand_in: str | None, device: torch.device) -> dict:

@@ -24,12 +24,12 @@ import time
 
 import torch
 
-from fedddp import config, env, participation
+from fedddp import checks, env, participation
 from fedddp.client.state import fetch, open_store, send_home
 from fedddp.comm import Comm
 from fedddp.data import build as build_data
 from fedddp.flat import FlatLayout
-from fedddp.models import build_model
+from fedddp.algorithms import build_model
 from fedddp.sampling import assign_clients, expected_cost, owned_clients, sample_clients, travelling
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm = Comm(env.resolve(), "cpu")
-    cfg = config.load(args.config, [f"data.root={args.data_root}", "algorithm.name=scaffold"])
+    cfg = checks.load(args.config, [f"data.root={args.data_root}", "algorithm.name=scaffold"])
     data = build_data(cfg, cfg.data.seed, [])  # the partition only: sample counts, no tensors
     model = build_model(cfg, data.input_shape, data.num_classes, data.task)
     numel = FlatLayout(model, buffers=cfg.model.flat_buffers).numel

@@ -26,7 +26,13 @@ import sys
 # import of torch; an explicit setting in the environment wins.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from . import config, env
+from . import checks, config, env
+from .algorithms import build_model
+from .api import execute
+from .client.batched import try_side_by_side
+from .data import build
+from .logs import require_tensorboard
+from .outdir import refuse_fresh_run
 from .errors import DataError, StalledError, UserError
 
 
@@ -49,8 +55,6 @@ def main(argv: list[str] | None = None) -> int:
             return _check(path, overrides)
         proc = env.resolve()
         rank, world_size = proc.rank, proc.world_size
-        from .api import execute
-
         execute(proc, path, overrides)
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
@@ -72,24 +76,15 @@ def main(argv: list[str] | None = None) -> int:
 def check(path: str | None, overrides: list[str], data: bool = True) -> config.Config:
     """The config, then (with ``data``) every client's data, in this process: a mistake raises
     the UserError the run would have raised. The launchers call this before any rank starts."""
-    cfg = config.load(path, overrides)
+    cfg = checks.load(path, overrides)
     if not cfg.run.resume:
-        from .outdir import refuse_fresh_run
-
         refuse_fresh_run(cfg.run.out_dir, cfg.run.overwrite)
     if cfg.run.tensorboard:
-        from .logs import require_tensorboard
-
         require_tensorboard()
     if data:
-        from .data import build
-        from .models import build_model
-
         built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
         model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
         if cfg.run.parallel_clients > 1:  # one side-by-side step, as the run tries before round 1
-            from .client.batched import try_side_by_side
-
             try_side_by_side(cfg, model, built)
     return cfg
 

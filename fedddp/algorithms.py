@@ -10,79 +10,30 @@ configuration error naming both.
 
 from __future__ import annotations
 
-from . import strategies, tasks
+from torch import nn
 
-# name -> (local rule in fedddp.client, server rule in fedddp.strategies)
-ALGORITHMS: dict[str, tuple[str, str]] = {
-    "fedavg": ("plain", "fedavg"),
-    "fedmom": ("plain", "fedmom"),
-    "fedcong": ("plain", "fedcong"),
-    "fedgma": ("plain", "fedgma"),
-    "cgw": ("plain", "cgw"),
-    "feder": ("plain", "feder"),
-    "fedprox": ("prox", "fedavg"),
-    "scaffold": ("scaffold", "scaffold"),
-    "fednova": ("plain", "fednova"),
-    "moon": ("moon", "fedavg"),
-    "fedsam": ("sam", "fedavg"),
-    "fedgam": ("gam", "fedavg"),
-    "fedgam_cv": ("gam_cv", "fedgam_cv"),
-    "fedsmoo": ("smoo", "fedsmoo"),
-    "dpfedavg": ("plain", "dpfedavg"),
-}
-
-
-# name -> the client weights p_k its paper or reference code averages with (algorithm.weighting =
-# auto; the sources are in docs/algorithms.md). samples: n_k / n over the sampled clients; uniform: 1/K.
-WEIGHTING: dict[str, str] = {
-    "fedavg": "samples",     # McMahan et al. 2017, n_k / n
-    "fedmom": "samples",     # seed 004, eq. 5
-    "fedcong": "samples",    # seed 004, eq. 1 (eq. 3 is silent within a group)
-    "fedgma": "samples",     # seed 001, sec. 3: weighted by the clients' numbers of examples
-    "cgw": "samples",        # seed 000, eq. 8: corrects W_FedAvg
-    "feder": "uniform",      # seed 003, Alg. 4: its own per-layer weights, 1/K where it has none
-    "fedprox": "samples",    # FedProx's code weights by sample count (its Alg. 2 samples by p_k instead)
-    "scaffold": "uniform",   # SCAFFOLD Alg. 1: 1/|S|
-    "fednova": "samples",    # FedNova: p_i = n_i / n
-    "moon": "samples",       # MOON Alg. 1 and code: |D_i| / |D| over the round's clients
-    "fedsam": "uniform",     # FL-Simulator's FedSAM (the code seed 002's baselines follow): mean
-    "fedgam": "uniform",     # seed 002, Alg. 1 line 12
-    "fedgam_cv": "uniform",  # seed 002, Alg. 2 line 15
-    "fedsmoo": "uniform",    # FL-Simulator's FedSMOO: mean
-    "dpfedavg": "uniform",   # McMahan et al. 2018 with w_k = 1: one client's influence is at most C / K
-}
-
-
-def weighting_of(hp) -> str:
-    """The run's client weighting, samples or uniform: algorithm.weighting, or with auto the one of
-    algorithm.name's paper (WEIGHTING). ``hp`` is an AlgorithmConfig."""
-    weighting = getattr(hp, "weighting", "samples")
-    return WEIGHTING[hp.name] if weighting == "auto" else weighting
-
+from . import models, strategies, tasks
+from .errors import ConfigError
+from .client import rules
+from .client.optim import check_optimizer
+from .registry import ALGORITHMS, resolve, weighting_of
 
 def describe(cfg) -> str:
     """The algorithm as the rank-0 start line names it, e.g.
     'fedgam: gam clients, fedavg server rule, uniform weights'."""
-    local, server = resolve(cfg)
+    local, server = resolve(cfg.algorithm)
     return f"{cfg.algorithm.name}: {local} clients, {server} server rule, {weighting_of(cfg.algorithm)} weights"
 
 
-def resolve(cfg) -> tuple[str, str]:
-    """(local rule, server rule) of the run: the name's pair, with algorithm.local if not auto."""
-    local, server = ALGORITHMS[cfg.algorithm.name]
-    return (local if cfg.algorithm.local == "auto" else cfg.algorithm.local), server
-
-
 def _check_pair(cfg, local: str, server: str) -> list[str]:
-    from .client import rules  # late: the client package imports the data and model code
     name, errors = cfg.algorithm.name, []
     if local not in rules.RULES:
         return [f"algorithm.local: unknown local rule {local!r} (valid: auto, {', '.join(rules.RULES)})"]
-    rule, strategy = rules.RULES[local], strategies.REGISTRY[server]
+    rule, strategy = rules.RULES[local], strategies.SERVER_RULES[server]
     pair = f"algorithm.local = {local} with the {server} server rule (algorithm.name = {name})"
     missing = [k for k in rule.reads_server if k not in strategy.client_visible]
     if missing:
-        keepers = [s.name for s in strategies.REGISTRY.values() if set(missing) <= set(s.client_visible)]
+        keepers = [s.name for s in strategies.SERVER_RULES.values() if set(missing) <= set(s.client_visible)]
         errors.append(f"algorithm.local: {pair}: the {local} clients correct their steps with the server's "
                       f"{', '.join(missing)}, which {server} does not keep or update; choose an algorithm.name "
                       f"whose server rule does ({', '.join(n for n, (_, s) in ALGORITHMS.items() if s in keepers)})")
@@ -113,7 +64,6 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
             errors.append(f"algorithm.local: {pair}: MOON is defined for classification; data.name = "
                           f"{cfg.data.name} is a regression task (choose another algorithm.name or "
                           "algorithm.local)")
-    from .client.optim import check_optimizer
     return errors + check_optimizer(cfg.train)
 
 
@@ -175,25 +125,23 @@ def check_algorithm(cfg) -> list[str]:
         return [f"algorithm.name: unknown algorithm {name!r} (valid: {', '.join(ALGORITHMS)}, or module:attr, "
                 "your server rule: docs/extending.md)"]
     _, server = ALGORITHMS[name]
-    if server not in strategies.REGISTRY:
+    if server not in strategies.SERVER_RULES:
         return [f"algorithm.name: {name!r} needs the server rule {server!r}, which is not available"]
-    local = resolve(cfg)[0]
+    local = resolve(cfg.algorithm)[0]
     errors = _check_pair(cfg, local, server)
     return errors or _check_params(cfg.algorithm.params, local, server)
 
 
 def _declared_params(local: str, server: str) -> dict[str, tuple[str, object]]:
     """name -> (the rule that declares it, its default); the server rule's first."""
-    from .client import rules
     declared = {k: (local, v) for k, v in rules.RULES[local].params.items()}
-    declared.update({k: (server, v) for k, v in strategies.REGISTRY[server].params.items()})
+    declared.update({k: (server, v) for k, v in strategies.SERVER_RULES[server].params.items()})
     return declared
 
 
 def _check_params(params: dict, local: str, server: str) -> list[str]:
     """[algorithm.params]: every name declared by the server or the local rule, of its default's
     type; then each rule checks its own values."""
-    from .client import rules
     declared, errors = _declared_params(local, server), []
     for key, value in params.items():
         if key not in declared:
@@ -210,7 +158,7 @@ def _check_params(params: dict, local: str, server: str) -> list[str]:
     if errors:
         return errors
     full = params_of(params, local, server)
-    check_server = strategies.REGISTRY[server].check_params
+    check_server = strategies.SERVER_RULES[server].check_params
     errors += [] if check_server is None else list(check_server(full))
     errors += list(rules.RULES[local].check_params(full))
     return [e if e.startswith("algorithm.params") else f"algorithm.params: {e}" for e in errors]
@@ -233,12 +181,10 @@ def _outside(net, parts) -> list[str]:
 def check_model(cfg, net, task: str) -> list[str]:
     """What the run's rules need of the built model (never its name): FedER a conv layer to
     weigh by effective rank; MOON a classifier and its split into ``features`` and ``head``."""
-    import torch.nn as nn
-
-    local, server = resolve(cfg)
+    local, server = resolve(cfg.algorithm)
     errors = []
     what = f"model.name = {cfg.model.name}"
-    if strategies.REGISTRY[server].needs_for(cfg.algorithm) & {"eff_rank_KL"} and \
+    if strategies.SERVER_RULES[server].needs_for(cfg.algorithm) & {"eff_rank_KL"} and \
             not any(isinstance(m, nn.Conv2d) for m in net.modules()):
         errors.append(f"model.name: {server} weighs conv layers by effective rank; {what} has no "
                       "torch.nn.Conv2d layer (use cnn, resnet18 or a model with one)")
@@ -262,3 +208,23 @@ def check_model(cfg, net, task: str) -> list[str]:
                           f"torch.nn.Linear; {what} has a {type(net.head).__name__} (or set "
                           "algorithm.moon_proj_dim = 0)")
     return errors
+
+
+def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> nn.Module:
+    """The run's model: ``model.name`` built for data of this shape and task (fedddp.models),
+    checked against what the run's rules need (``check_model``: a ConfigError naming what is
+    missing), and MOON's projection head added. Every rank builds the same model from the same
+    seed."""
+    # None: the task of a built-in data set by its name (the data's own FederatedData.task is
+    # what the round loop passes)
+    task = task or tasks.of_data(cfg.data.name) or "classification"
+    net = models.build(cfg.model.name, input_shape, num_classes, task, cfg.model.hidden)
+    errors = check_model(cfg, net, task)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    if resolve(cfg.algorithm)[0] == "moon":
+        if not isinstance(net, models.Net):
+            net = models.Net(net.features, net.head)  # the contrastive term reads features, the loss head(...)
+        if cfg.algorithm.moon_proj_dim > 0:
+            net = models.add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)
+    return net

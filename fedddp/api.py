@@ -14,7 +14,11 @@ import os
 import sys
 from typing import Any, Mapping
 
-from . import config as config_module, env
+import torch
+
+from . import checks, config as config_module, env
+from .comm import Comm
+from .round import run as run_rounds
 from .errors import ERRORS, UserError
 
 
@@ -65,9 +69,7 @@ def run(config: str | os.PathLike | Mapping[str, Any] | config_module.Config,
 def execute(proc: env.ProcessEnv, source, overrides: list[str], result: bool = False) -> Result | None:
     """Load the config, run it on this rank and, with ``result``, collect the Result; errors
     propagate. The process group is closed at the end unless it was there before."""
-    cfg = config_module.load(source, overrides)
-    from .comm import Comm
-    from .round import run as run_rounds
+    cfg = checks.load(source, overrides)
 
     comm = Comm(proc, cfg.run.device, cfg.run.collective_timeout_s)
     try:
@@ -99,8 +101,6 @@ def _resume_after_torchrun_restart(cfg, comm) -> None:
     continue from the last checkpoint instead of starting over (docs/launching.md). The count
     is kept per node (an agent whose own workers were healthy restarts them without counting
     one), so the ranks agree first: any restarted rank makes every rank resume."""
-    import torch
-
     restarts = torch.tensor([float(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)],
                             device=comm.device)
     comm.all_reduce_sum_(restarts)
@@ -118,16 +118,12 @@ class _TorchGlobals:
     so a caller's later threads and random draws do not depend on having run fedddp."""
 
     def __init__(self):
-        import torch
-
         self.num_threads = torch.get_num_threads()
         self.dtype = torch.get_default_dtype()
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def restore(self) -> None:
-        import torch
-
         torch.set_num_threads(self.num_threads)
         torch.set_default_dtype(self.dtype)
         torch.set_rng_state(self.cpu_rng)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import tasks
+from . import plugins, tasks
 from .errors import ConfigError
 
 
@@ -359,10 +359,10 @@ def parse_overrides(overrides: list[str], errors: list[str]) -> dict[str, dict[s
     return tables
 
 
-def validate(cfg: Config) -> list[str]:
-    """Every impossible value or combination, each naming its dotted path."""
-    from . import plugins
-    errors = plugins.resolve(cfg)  # imports every module:attr first: their rules are checked below
+def check_fields(cfg: Config) -> list[str]:
+    """Every impossible value or combination of the config's own fields, each naming its dotted
+    path (what needs the rules, the plugins or the data is checked above, in fedddp.checks)."""
+    errors = []
     for section in SECTIONS:
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
@@ -431,18 +431,13 @@ def validate(cfg: Config) -> list[str]:
     if tasks.of_data(cfg.data.name) == "classification" and cfg.model.name == "ffnn":
         errors.append(f"model.name: ffnn is a regressor (one sigmoid output); data.name = {cfg.data.name} "
                       "is a classification task (use logistic, mlp, cnn or resnet18)")
-    from .algorithms import check_algorithm  # late import: algorithms imports the strategy registry
-    errors.extend(check_algorithm(cfg))
-    from .participation import check as check_participation
-    errors.extend(check_participation(cfg))
-    from .client.batched import check as check_parallel_clients
-    errors.extend(check_parallel_clients(cfg))
     return errors
 
 
-def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str] = ()) -> Config:
-    """The file (or its tables as nested dicts), then the overrides; every error of both at once,
-    as one ConfigError."""
+def parse(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str] = ()) -> tuple[Config, list[str], str | None]:
+    """The file (or its tables as nested dicts), then the overrides: (the Config, the errors of
+    both, the file's path or None). A key whose value was refused keeps its default, so the
+    other keys can still be checked (fedddp.checks.load)."""
     errors: list[str] = []
     raw: Mapping[str, Any] = {}
     if isinstance(path, Mapping):
@@ -452,19 +447,7 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
         raw = _read_toml(path)
     cfg = from_dict(raw, errors)
     cfg = from_dict(parse_overrides(list(overrides), errors), errors, cfg, text=True)
-    # A key whose value was refused keeps its default, so the other keys are still checked;
-    # only errors about keys not already reported are added.
-    reported = {e.split(":", 1)[0] for e in errors}
-    errors += [e for e in validate(cfg) if e.split(":", 1)[0] not in reported]
-    if errors:
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
-    from .algorithms import params_of, resolve, weighting_of
-    # resolved once, so config.toml, the start line and every rule see the same weighting and
-    # the same rule parameters (the declared defaults filled in)
-    cfg.algorithm.weighting = weighting_of(cfg.algorithm)
-    cfg.algorithm.params = params_of(cfg.algorithm.params, *resolve(cfg))
-    return cfg
+    return cfg, errors, path
 
 
 def _read_toml(path: str) -> dict[str, Any]:

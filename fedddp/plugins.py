@@ -1,12 +1,10 @@
 """Your own data, model and rules by import path: ``"module:attr"`` wherever a name goes
 (``data.name``, ``model.name``, ``algorithm.name``, ``algorithm.local``); docs/extending.md.
 
-``resolve(cfg)`` imports every path of a config (on every rank, before the config is validated)
-and registers the server and local rules under their path, so the rest of fedddp looks them up
-like the built-ins: ``algorithms.ALGORITHMS[path]`` is (the module's ``LOCAL_RULE``, else plain;
-the path), ``WEIGHTING[path]`` the module's ``WEIGHTING``, else samples. Modules come from
-``sys.path`` with the working directory first. An import that fails is one ConfigError naming
-the key, the path and the cause.
+This module imports them: ``get(path, key)``, once per process, from ``sys.path`` with the
+working directory first; an import that fails is one ConfigError naming the key, the path and the
+cause. ``checks.register_plugins`` registers the rules a config names in fedddp.registry, beside
+the built-ins.
 """
 
 from __future__ import annotations
@@ -62,56 +60,6 @@ def get(path: str, key: str):
 _objects: dict[str, tuple[object, object]] = {}
 
 
-def resolve(cfg) -> list[str]:
-    """Import every import path of ``cfg`` and register its rules; one error line per key that
-    fails (config.validate calls this first)."""
-    errors = []
-    for key in KEYS:
-        section, name = key.split(".")
-        path = getattr(getattr(cfg, section), name)
-        if not is_path(path):
-            continue
-        try:
-            obj = get(path, key)
-            if key in ("data.name", "model.name") and not callable(obj):
-                raise ConfigError(f"{key}: {path!r} is a {type(obj).__name__}, not callable; it must be {KEYS[key]}")
-            if key == "algorithm.name":
-                _register_server(path, obj)
-            elif key == "algorithm.local":
-                _register_local(path, obj)
-        except ConfigError as exc:
-            errors.append(str(exc))
-    return errors
-
-
-def _register_server(path: str, obj) -> None:
-    from . import algorithms, strategies
-
-    if path in strategies.REGISTRY:
-        return
-    if isinstance(obj, strategies.Strategy):
-        strategy = obj
-    elif callable(obj):
-        strategy = strategies.Strategy(path, obj, doc=obj.__doc__ or "")
-    else:
-        raise ConfigError(f"algorithm.name: {path!r} is a {type(obj).__name__}; it must be "
-                          f"{KEYS['algorithm.name']}")
-    module = _objects[path][0]
-    local = getattr(module, "LOCAL_RULE", "plain")
-    weighting = getattr(module, "WEIGHTING", "samples")
-    if weighting not in ("samples", "uniform"):
-        raise ConfigError(f"algorithm.name: {path!r}: its module's WEIGHTING is {weighting!r}; it must be "
-                          "samples or uniform")
-    if is_path(local):
-        _register_local(local, get(local, "algorithm.local"))
-    strategies.REGISTRY[path] = strategies.plugin_form(strategy, path)
-    algorithms.ALGORITHMS[path] = (local, path)
-    algorithms.WEIGHTING[path] = weighting
-
-
-def _register_local(path: str, obj) -> None:
-    from .client import rules
-
-    if not (isinstance(obj, type) and issubclass(obj, rules.LocalRule)):
-        raise ConfigError(f"algorithm.local: {path!r} is a {type(obj).__name__}; it must be {KEYS['algorithm.local']}")
-    rules.RULES[path] = obj
+def module_of(path: str):
+    """The module ``path`` was imported from (``get`` first): its LOCAL_RULE and WEIGHTING."""
+    return _objects[path][0]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import checkpoint, config, logs, outdir, participation, strategies, tasks
-from .algorithms import describe as describe_algorithm, resolve as resolve_algorithm
+from .algorithms import build_model, describe as describe_algorithm
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import rules as local_rules
 from .client.batched import BatchedTrainer
@@ -27,7 +27,7 @@ from .data import ClientData, LazyClients, build as build_data
 from .data.build import BUILT_WHOLE
 from .errors import ConfigError, DataError, DivergenceError, UserError
 from .flat import FlatLayout
-from .models import build_model
+from .registry import resolve
 from .sampling import (assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, owner,
                        sample_clients, travelling)
 
@@ -390,7 +390,7 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
     torch.set_default_dtype(torch.float32)
     device = comm.device
-    local_name, server_name = resolve_algorithm(cfg)
+    local_name, server_name = resolve(cfg.algorithm)
     strategy = strategies.get(server_name)
     rule = local_rules.get(local_name)
     needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)

@@ -33,7 +33,7 @@ import shutil
 import sys
 import tempfile
 
-from .__main__ import check as fedddp_check  # first: it sets torch's allocator options
+from .__main__ import check as fedddp_check, main as fedddp_main  # first: it sets torch's allocator options
 
 import submitit
 
@@ -54,8 +54,6 @@ class Trainer(submitit.helpers.Checkpointable):
         self.argv = list(argv)
 
     def __call__(self) -> int:
-        from .__main__ import main
-
         export_rendezvous()
         var = fedddp_env.STATUS_FILE_VAR
         with tempfile.TemporaryDirectory() as folder:
@@ -66,7 +64,7 @@ class Trainer(submitit.helpers.Checkpointable):
             path = os.environ.setdefault(var, status_path(job.paths.folder, job.job_id) if job
                                          else os.path.join(folder, "status"))
             try:
-                status = main(self.argv)
+                status = fedddp_main(self.argv)
             finally:
                 if own:
                     del os.environ[var]

@@ -50,7 +50,7 @@ import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import config
+from . import checks, config, slurm
 from .errors import ConfigError, UserError
 from .summary import HOW_KEYS, flatten
 
@@ -214,14 +214,14 @@ def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] =
         write_base(raw, base, config_path)
         if out is None:
             try:
-                out = config.load(base).run.out_dir
+                out = checks.load(base).run.out_dir
             except ConfigError as exc:
                 raise ConfigError(str(exc).replace(base, config_path)) from None
         points = expand(axes, out)
         for point in points:
             point.overrides += list(fixed)
             try:
-                point.cfg = config.load(base, point.overrides + [f"run.out_dir={point.out_dir}"])
+                point.cfg = checks.load(base, point.overrides + [f"run.out_dir={point.out_dir}"])
             except ConfigError as exc:
                 raise ConfigError(f"combination {point.name}: {str(exc).replace(base, config_path)}") from None
     for point in points:
@@ -378,7 +378,7 @@ def record_command(out: str, argv: list[str]) -> None:
         fh.write(f"{when} commit {code_version()}: python -m fedddp.sweep {shlex.join(argv)}\n")
 
 
-def run_slurm(slurm, slurm_args, base: str, points: list[Point], ranks: int) -> list:
+def run_slurm(slurm_args, base: str, points: list[Point], ranks: int) -> list:
     """One submitit job array, a task per pending combination (fedddp.slurm's executor and
     requeueing Trainer task); returns the jobs."""
     if slurm_args.tasks_per_node is None and ranks > 1:
@@ -410,9 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if rest and not args.slurm:
             raise ConfigError(f"unknown flag(s) {' '.join(rest)} (fedddp.slurm flags need --slurm)")
-        slurm = slurm_args = None
+        slurm_args = None
         if args.slurm:
-            from . import slurm  # submitit, imported only for --slurm
             # axes written after a launcher flag land among the launcher's positionals
             slurm_args = slurm.parse_args([args.config] + rest, prog="python -m fedddp.sweep --slurm")
             args.axes += slurm_args.overrides
@@ -430,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         write_base(raw, base, args.config)
         record_command(out, argv if argv is not None else sys.argv[1:])
         if args.slurm:
-            run_slurm(slurm, slurm_args, base, points, args.ranks)
+            run_slurm(slurm_args, base, points, args.ranks)
             return 0
         return run_local(base, out, points, args.parallel, args.ranks)
     except UserError as exc:

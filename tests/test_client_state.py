@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedddp import checkpoint, config, env
+from fedddp import checkpoint, checks, config, env
 from fedddp.client.state import MmapStore, open_store
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
@@ -78,7 +78,7 @@ def test_checkpoint_captures_mmap_state(tmp_path):
 def test_mmap_and_memory_runs_agree(tmp_path, name):
     results = []
     for kind in ("memory", "mmap"):
-        cfg = config.load(QUICKSTART, [f"algorithm.name={name}", "run.rounds=4", "run.eval_every=4",
+        cfg = checks.load(QUICKSTART, [f"algorithm.name={name}", "run.rounds=4", "run.eval_every=4",
                                        "run.clients_per_round=12",
                                        f"run.out_dir={tmp_path / kind}", "run.progress=false",
                                        f"run.client_state={kind}"])

@@ -5,7 +5,7 @@ failure."""
 import numpy as np
 import torch
 
-from fedddp import config
+from fedddp import checks, config
 from fedddp.data import build, cmapss_sim
 
 
@@ -22,7 +22,7 @@ def test_same_arguments_write_the_same_bytes(tmp_path):
 
 def test_loader_reads_it_and_the_sensors_track_the_health(tmp_path):
     cmapss_sim.write(str(tmp_path), 6, 4, seed=0)
-    cfg = config.load(None, ["data.name=cmapss", f"data.root={tmp_path}", "data.num_clients=3",
+    cfg = checks.load(None, ["data.name=cmapss", f"data.root={tmp_path}", "data.num_clients=3",
                              "model.name=ffnn", "run.clients_per_round=2"])
     data = build(cfg, 0, [0, 1, 2])
     assert data.task == "regression" and data.input_shape == (14,) and len(data.test.y) > 0

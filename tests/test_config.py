@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fedddp import config
+from fedddp import checks, config
 from fedddp.errors import ConfigError
 
 
@@ -18,20 +18,20 @@ def write(tmp_path, text):
 
 def test_overrides_are_typed_and_applied(tmp_path):
     path = write(tmp_path, "[run]\nrounds = 3\n[train]\nlr = 1\n")
-    cfg = config.load(path, ["run.rounds=7", "algorithm.name=fedavg", "run.resume=true", "train.lr=0.5"])
+    cfg = checks.load(path, ["run.rounds=7", "algorithm.name=fedavg", "run.resume=true", "train.lr=0.5"])
     assert cfg.run.rounds == 7 and cfg.run.resume is True and cfg.train.lr == 0.5
     assert isinstance(cfg.train.lr, float)
 
 
 def test_int_in_toml_for_float_field_is_accepted(tmp_path):
-    cfg = config.load(write(tmp_path, "[train]\nlr = 1\n"))
+    cfg = checks.load(write(tmp_path, "[train]\nlr = 1\n"))
     assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
 
 
 def test_all_errors_reported_at_once_with_paths(tmp_path):
     path = write(tmp_path, "[run]\nrounds = 'x'\nbogus = 1\n[data]\nname = 'imagenet'\n[nope]\na = 1\n")
     with pytest.raises(ConfigError) as err:
-        config.load(path)
+        checks.load(path)
     msg = str(err.value)
     for fragment in ("run.rounds", "run.bogus", "nope", "valid:"):
         assert fragment in msg, msg
@@ -40,7 +40,7 @@ def test_all_errors_reported_at_once_with_paths(tmp_path):
 
 def test_choice_and_impossible_values(tmp_path):
     with pytest.raises(ConfigError) as err:
-        config.load(None, ["data.name=imagenet", "run.clients_per_round=50", "data.num_clients=10",
+        checks.load(None, ["data.name=imagenet", "run.clients_per_round=50", "data.num_clients=10",
                            "algorithm.name=nope"])
     msg = str(err.value)
     assert "data.name: 'imagenet' is not one of synthetic" in msg
@@ -50,12 +50,12 @@ def test_choice_and_impossible_values(tmp_path):
 
 def test_bool_must_be_true_or_false():
     with pytest.raises(ConfigError, match="run.resume: expected bool"):
-        config.load(None, ["run.resume=yes"])
+        checks.load(None, ["run.resume=yes"])
 
 
 def test_dumps_round_trips(tmp_path):
-    cfg = config.load(None, ["run.rounds=9", "run.out_dir=a \"b\"", "train.lr=0.25"])
-    again = config.load(write(tmp_path, config.dumps(cfg)))
+    cfg = checks.load(None, ["run.rounds=9", "run.out_dir=a \"b\"", "train.lr=0.25"])
+    again = checks.load(write(tmp_path, config.dumps(cfg)))
     assert again == cfg
 
 
@@ -85,7 +85,7 @@ def test_cli_missing_config_file_exits_2(tmp_path):
 @pytest.mark.parametrize("name", sorted(n for n in os.listdir(os.path.join(os.path.dirname(__file__), "..", "configs"))
                                          if n.endswith(".toml")))  # configs/sweeps/: tests/test_sweep.py
 def test_every_shipped_config_is_valid(name):
-    cfg = config.load(os.path.join(os.path.dirname(__file__), "..", "configs", name))
+    cfg = checks.load(os.path.join(os.path.dirname(__file__), "..", "configs", name))
     assert cfg.run.rounds > 0
 
 
@@ -100,7 +100,7 @@ def test_cuda_without_a_gpu_is_a_config_error(tmp_path):
 
 
 # Each paper's (or its reference code's) client weights, written out here rather than read from
-# fedddp.algorithms.WEIGHTING, so that a wrong entry there fails (sources: docs/algorithms.md).
+# fedddp.registry.WEIGHTING, so that a wrong entry there fails (sources: docs/algorithms.md).
 PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples", "fedgma": "samples",
                    "cgw": "samples", "feder": "uniform", "fedprox": "samples", "scaffold": "uniform",
                    "fednova": "samples", "moon": "samples", "fedsam": "uniform", "fedgam": "uniform",
@@ -108,7 +108,7 @@ PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples
 
 
 def test_every_algorithm_has_a_paper_weighting():
-    from fedddp.algorithms import ALGORITHMS
+    from fedddp.registry import ALGORITHMS
     assert set(PAPER_WEIGHTING) == set(ALGORITHMS)
 
 
@@ -118,12 +118,12 @@ def test_auto_weighting_resolves_to_the_papers(name):
     config.toml and every consumer see samples or uniform; an explicit choice overrides it. Every
     algorithm used to get sample-count weights, which FedGAM's Alg. 1 and SCAFFOLD do not use."""
     extra = {"feder": ["data.name=mnist", "model.name=cnn"], "dpfedavg": ["algorithm.dp_clip=1"]}.get(name, [])
-    cfg = config.load(None, [f"algorithm.name={name}", *extra])
+    cfg = checks.load(None, [f"algorithm.name={name}", *extra])
     assert cfg.algorithm.weighting == PAPER_WEIGHTING[name]
     assert f'weighting = "{PAPER_WEIGHTING[name]}"' in config.dumps(cfg)
     # DP-FedAvg's clip bound holds for equal weights only (samples is refused: tests/test_federations.py)
     for choice in ("uniform",) if name == "dpfedavg" else ("samples", "uniform"):
-        assert config.load(None, [f"algorithm.name={name}", f"algorithm.weighting={choice}",
+        assert checks.load(None, [f"algorithm.name={name}", f"algorithm.weighting={choice}",
                                   *extra]).algorithm.weighting == choice
 
 
@@ -146,7 +146,7 @@ def test_type_error_does_not_hide_the_other_errors_of_the_file(tmp_path):
     impossible batch size and an unknown choice) were reported only on the next attempt."""
     path = write(tmp_path, "[run]\nrounds = 'x'\n[train]\nbatch_size = -1\n[data]\nname = 'imagenet'\n")
     with pytest.raises(ConfigError) as err:
-        config.load(path)
+        checks.load(path)
     msg = str(err.value)
     assert msg.startswith("3 configuration error(s)"), msg
     for fragment in ("run.rounds: expected int", "train.batch_size: must be >= 0", "data.name: 'imagenet'"):
@@ -157,35 +157,35 @@ def test_toml_string_for_a_number_is_refused_but_overrides_are_parsed(tmp_path):
     """TOML values are typed: ``rounds = "3"`` was silently read as 3. Overrides on the command
     line are strings by nature and stay parsed."""
     with pytest.raises(ConfigError, match=r"run.rounds: expected int, got str '3' \(remove the quotes\)"):
-        config.load(write(tmp_path, '[run]\nrounds = "3"\n'))
+        checks.load(write(tmp_path, '[run]\nrounds = "3"\n'))
     with pytest.raises(ConfigError, match="run.resume: expected bool"):
-        config.load(write(tmp_path, '[run]\nresume = "true"\n'))
+        checks.load(write(tmp_path, '[run]\nresume = "true"\n'))
     with pytest.raises(ConfigError, match="train.lr: expected float"):
-        config.load(write(tmp_path, '[train]\nlr = "0.1"\n'))
-    assert config.load(None, ["run.rounds=3"]).run.rounds == 3
+        checks.load(write(tmp_path, '[train]\nlr = "0.1"\n'))
+    assert checks.load(None, ["run.rounds=3"]).run.rounds == 3
 
 
 @pytest.mark.parametrize("text", ["nan", "inf", "-inf", "NaN"])
 def test_non_finite_number_is_a_config_error(tmp_path, text):
     """``train.lr=nan`` was accepted and trained a NaN model to the end with exit 0."""
     with pytest.raises(ConfigError, match="train.lr: must be a finite number, got -?inf|train.lr: must be a finite number, got nan"):
-        config.load(None, [f"train.lr={text}"])
+        checks.load(None, [f"train.lr={text}"])
     with pytest.raises(ConfigError, match="algorithm.server_momentum: must be a finite number"):
-        config.load(write(tmp_path, f"[algorithm]\nserver_momentum = {text.lower()}\n"))
+        checks.load(write(tmp_path, f"[algorithm]\nserver_momentum = {text.lower()}\n"))
 
 
 def test_out_of_range_integer_is_a_config_error(tmp_path):
     """``run.seed=99999999999999999999999`` ended in an OverflowError traceback (exit 1)."""
     with pytest.raises(ConfigError, match="run.seed: 99999999999999999999999 is out of range"):
-        config.load(None, ["run.seed=99999999999999999999999"])
+        checks.load(None, ["run.seed=99999999999999999999999"])
     with pytest.raises(ConfigError, match="data.num_clients: .* is out of range"):
-        config.load(write(tmp_path, "[data]\nnum_clients = 99999999999999999999999\n"))
+        checks.load(write(tmp_path, "[data]\nnum_clients = 99999999999999999999999\n"))
 
 
 def test_collective_timeout_must_be_positive():
-    assert config.load(None, ["run.collective_timeout_s=2.5"]).run.collective_timeout_s == 2.5
+    assert checks.load(None, ["run.collective_timeout_s=2.5"]).run.collective_timeout_s == 2.5
     with pytest.raises(ConfigError, match="run.collective_timeout_s: must be > 0"):
-        config.load(None, ["run.collective_timeout_s=0"])
+        checks.load(None, ["run.collective_timeout_s=0"])
 
 
 @pytest.mark.parametrize("kind", ["directory", "binary", "ls"])
@@ -216,8 +216,8 @@ def test_nesterov_without_sgd_momentum_is_refused(overrides):
     """torch's SGD raises on Nesterov without momentum, and the other optimizers have none: one
     line naming train.nesterov, not a traceback when the first client builds its optimizer."""
     with pytest.raises(ConfigError, match="train.nesterov: needs train.optimizer = sgd and train.momentum > 0"):
-        config.load(None, overrides)
-    config.load(None, ["train.nesterov=true", "train.momentum=0.9"])
+        checks.load(None, overrides)
+    checks.load(None, ["train.nesterov=true", "train.momentum=0.9"])
 
 
 @pytest.mark.parametrize("overrides,words", [

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedddp import config
+from fedddp import checks, config
 from fedddp.__main__ import main as fedddp_main
 from fedddp.client import ClientContext, rules, train_client
 from fedddp.comm import Comm
@@ -24,7 +24,7 @@ from fedddp.data import build
 from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError, DataError
 from fedddp.flat import FlatLayout
-from fedddp.models import build_model
+from fedddp.algorithms import build_model
 from fedddp.round import evaluate, run
 from fedddp.tasks import get as get_task
 
@@ -72,7 +72,7 @@ def parse(path) -> dict[str, np.ndarray]:
 
 
 def cfg_for(root, num_clients=4, *extra):
-    return config.load(None, ["data.name=cmapss", f"data.root={root}", f"data.num_clients={num_clients}",
+    return checks.load(None, ["data.name=cmapss", f"data.root={root}", f"data.num_clients={num_clients}",
                               "model.name=ffnn", "run.clients_per_round=2", *extra])
 
 
@@ -218,7 +218,7 @@ def test_bad_rul_value_says_what_is_wrong(tmp_path, value, shown):
 ])
 def test_configuration_errors(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
-        config.load(None, ["data.num_clients=4", "run.clients_per_round=2", *overrides])
+        checks.load(None, ["data.num_clients=4", "run.clients_per_round=2", *overrides])
 
 
 # -- the regression path through the local rules -----------------------------------------------

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedddp import config
+from fedddp import checks, config
 from fedddp.data import build, colored, partition
 from fedddp.data.partition import holdout_split
 from fedddp.data.idx import load
@@ -34,7 +34,7 @@ def root(tmp_path_factory):
 
 
 def cfg_for(root, *overrides):
-    return config.load(FEDGMA_COLORED, [f"data.root={root}", "data.holdout_from_test=0.4", *overrides])
+    return checks.load(FEDGMA_COLORED, [f"data.root={root}", "data.holdout_from_test=0.4", *overrides])
 
 
 def colours(x_N3HW):
@@ -151,9 +151,9 @@ def test_deterministic_and_independent_of_the_owner(root, variant):
 
 def test_flip_range_is_validated():
     with pytest.raises(config.ConfigError, match="data.colored_flip_min: need 0 <= colored_flip_min"):
-        config.load(None, ["data.name=colored_mnist", "data.colored_flip_min=0.3", "data.colored_flip_max=0.2"])
+        checks.load(None, ["data.name=colored_mnist", "data.colored_flip_min=0.3", "data.colored_flip_max=0.2"])
     with pytest.raises(config.ConfigError, match=r"data.colored_test_flip: must be in \[0, 1\]"):
-        config.load(None, ["data.name=colored_mnist", "data.colored_test_flip=1.5"])
+        checks.load(None, ["data.name=colored_mnist", "data.colored_test_flip=1.5"])
 
 
 def test_fedgma_on_colored_mnist_end_to_end(tmp_path):
@@ -168,6 +168,6 @@ def test_fedgma_on_colored_mnist_end_to_end(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir(os.path.join(REAL_MNIST, "MNIST", "raw")), reason="no real MNIST here")
 def test_config_builds_on_the_real_mnist_test_split():
-    cfg = config.load(FEDGMA_COLORED, [f"data.root={REAL_MNIST}"])
+    cfg = checks.load(FEDGMA_COLORED, [f"data.root={REAL_MNIST}"])
     fd = build(cfg, seed=0, owned_ids=[0])
     assert sum(fd.num_samples) == 8000 and len(fd.test) == 2000 and fd.train[0].x.shape[1:] == (3, 28, 28)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedddp import config
+from fedddp import checks, config
 from fedddp.__main__ import main
 from fedddp.data import build, leaf
 from fedddp.errors import ConfigError, DataError
@@ -49,7 +49,7 @@ def write_leaf(root, files=FILES):
 
 
 def femnist_cfg(root, num_clients=5):
-    return config.load(None, ["data.name=femnist", "data.partition=natural", f"data.root={root}",
+    return checks.load(None, ["data.name=femnist", "data.partition=natural", f"data.root={root}",
                               f"data.num_clients={num_clients}", "run.clients_per_round=1"])
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedddp import config, data
+from fedddp import checks, config, data
 from fedddp.__main__ import main
 
 N, T, CLIENTS = 120, 40, 6
@@ -31,7 +31,7 @@ def save(path, mapping) -> str:
 
 
 def build(path: str, *overrides: str):
-    cfg = config.load(None, ["data.name=tensors", f"data.path={path}", f"data.num_clients={CLIENTS}",
+    cfg = checks.load(None, ["data.name=tensors", f"data.path={path}", f"data.num_clients={CLIENTS}",
                              *overrides])
     return data.build(cfg, cfg.data.seed, list(range(CLIENTS)))
 
@@ -79,7 +79,7 @@ def test_regression_from_float_targets(tmp_path):
 
 def test_a_data_callable_gets_root_and_data_seed(tmp_path, monkeypatch):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cfg = config.load(None, ["data.name=examples.my_plugin:blobs", "data.num_clients=12", "data.partition=natural",
+    cfg = checks.load(None, ["data.name=examples.my_plugin:blobs", "data.num_clients=12", "data.partition=natural",
                              "data.seed=3", f"data.root={tmp_path}"])
     fed = data.build(cfg, cfg.data.seed, [0, 5])
     from examples.my_plugin import blobs

@@ -4,12 +4,12 @@ union of the clients' data (weights by sample count make the mean of means the g
 import torch
 import torch.nn.functional as F
 
-from fedddp import config
+from fedddp import checks, config
 from fedddp.comm import Comm
 from fedddp.data import build as build_data
 from fedddp.env import ProcessEnv
 from fedddp.flat import FlatLayout
-from fedddp.models import build_model
+from fedddp.algorithms import build_model
 from fedddp.round import run
 
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
@@ -17,7 +17,7 @@ SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 def test_one_full_batch_step_equals_centralised_step(tmp_path):
     lr = 0.5
-    cfg = config.load(None, ["data.num_clients=8", "run.clients_per_round=8", "run.rounds=1",
+    cfg = checks.load(None, ["data.num_clients=8", "run.clients_per_round=8", "run.rounds=1",
                              "train.batch_size=0", "train.local_steps=1", f"train.lr={lr}",
                              "model.name=mlp", "model.hidden=16", f"run.out_dir={tmp_path}",
                              "run.progress=false"])

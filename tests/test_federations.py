@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from fedddp import checkpoint, config, participation, strategies
+from fedddp import checkpoint, checks, config, participation, strategies
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError
@@ -33,14 +33,14 @@ BASE = ["data.num_clients=10", "run.clients_per_round=5", "model.name=mlp", "mod
 
 
 def run_in_process(out, *overrides: str, rounds: int = 3) -> torch.Tensor:
-    cfg = config.load(None, BASE + [f"run.rounds={rounds}", f"run.out_dir={out}", *overrides])
+    cfg = checks.load(None, BASE + [f"run.rounds={rounds}", f"run.out_dir={out}", *overrides])
     return run(cfg, Comm(SINGLE, "cpu"))["global_P"]
 
 
 # -- 1. draws -----------------------------------------------------------------------------------
 
 def test_draws_depend_only_on_seed_round_and_client():
-    cfg = config.load(None, ["train.local_epochs=5", "train.local_work_min=2", "run.dropout=0.3"])
+    cfg = checks.load(None, ["train.local_epochs=5", "train.local_work_min=2", "run.dropout=0.3"])
     work = [participation.local_work(cfg, r, c) for r in range(1, 21) for c in range(30)]
     assert set(work) == {2, 3, 4, 5}  # the whole stated range, nothing outside it
     again = [participation.local_work(cfg, r, c) for r in range(1, 21) for c in range(30)]
@@ -48,9 +48,9 @@ def test_draws_depend_only_on_seed_round_and_client():
     drops = [participation.drops_out(cfg, r, c) for r in range(1, 101) for c in range(30)]
     assert abs(sum(drops) / len(drops) - 0.3) < 0.03
     # another seed draws otherwise; work and dropouts are separate streams
-    other = config.load(None, ["train.local_epochs=5", "train.local_work_min=2", "run.seed=1"])
+    other = checks.load(None, ["train.local_epochs=5", "train.local_work_min=2", "run.seed=1"])
     assert work != [participation.local_work(other, r, c) for r in range(1, 21) for c in range(30)]
-    equal = config.load(None, ["train.local_steps=7"])
+    equal = checks.load(None, ["train.local_steps=7"])
     assert {participation.local_work(equal, r, c) for r in range(1, 5) for c in range(9)} == {7}
 
 
@@ -80,7 +80,7 @@ def test_drawn_work_and_dropouts_are_world_size_invariant(tmp_path, name):
     assert [(m["num_reports"], m["dropped"]) for m in lines_1] == [(m["num_reports"], m["dropped"]) for m in lines_2]
     # clients really dropped, at random and past the deadline, yet every round had reports
     assert all(0 < m["num_reports"] < 10 for m in lines_1)
-    cfg = config.load(QUICKSTART, args)
+    cfg = checks.load(QUICKSTART, args)
     at_random = {(m["round"], c) for m in lines_1 for c in m["dropped"] if participation.drops_out(cfg, m["round"], c)}
     all_dropped = {(m["round"], c) for m in lines_1 for c in m["dropped"]}
     assert at_random and all_dropped - at_random
@@ -240,10 +240,10 @@ def test_reported_epsilon_is_the_accountants(tmp_path):
 def test_checkpoint_from_before_the_new_keys_still_resumes():
     """Guards against every added config key making older checkpoints foreign: a key missing
     from the saved identity is no change while it keeps its default, and is one otherwise."""
-    now = checkpoint.identity(config.load(None, []))
+    now = checkpoint.identity(checks.load(None, []))
     older = {k: v for k, v in now.items() if k not in ("run.dropout", "train.local_work_min")}
     assert checkpoint.identity_changes(older, now) == []
-    changed = checkpoint.identity(config.load(None, ["run.dropout=0.2"]))
+    changed = checkpoint.identity(checks.load(None, ["run.dropout=0.2"]))
     assert checkpoint.identity_changes(older, changed) == ["run.dropout '(unset)' -> 0.2"]
 
 
@@ -262,11 +262,11 @@ def test_checkpoint_from_before_the_new_keys_still_resumes():
 ])
 def test_configuration_errors_name_the_key(overrides, words):
     with pytest.raises(ConfigError) as err:
-        config.load(None, overrides)
+        checks.load(None, overrides)
     assert all(w in str(err.value) for w in words), str(err.value)
 
 
 def test_dp_without_the_accountant_names_the_extra(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "opacus.accountants", None)  # import fails
     with pytest.raises(ConfigError, match=r"fedddp\[dp\]"):
-        config.load(None, ["algorithm.name=dpfedavg", "algorithm.dp_clip=1"])
+        checks.load(None, ["algorithm.name=dpfedavg", "algorithm.dp_clip=1"])

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fedddp import config, strategies
+from fedddp import checks, config, strategies
 from fedddp.client import ClientContext, train_client
 from fedddp.client import optim, rules
 from fedddp.comm import Comm
@@ -28,7 +28,7 @@ from fedddp.data import ClientData
 from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError
 from fedddp.flat import FlatLayout
-from fedddp.models import build_model
+from fedddp.algorithms import build_model
 from fedddp.round import run
 
 from fedrun import run_fedddp
@@ -40,7 +40,7 @@ BASE = ["data.num_clients=10", "run.clients_per_round=5", "model.name=mlp", "mod
 
 def final_global(tmp_path, name: str, *overrides: str, rounds: int = 3) -> torch.Tensor:
     out = tmp_path / f"{name}-{abs(hash(overrides))}-{rounds}"
-    cfg = config.load(None, BASE + [f"algorithm.name={name}", f"run.rounds={rounds}", f"run.out_dir={out}",
+    cfg = checks.load(None, BASE + [f"algorithm.name={name}", f"run.rounds={rounds}", f"run.out_dir={out}",
                                     *overrides])
     return run(cfg, Comm(SINGLE, "cpu"))["global_P"]
 
@@ -48,7 +48,7 @@ def final_global(tmp_path, name: str, *overrides: str, rounds: int = 3) -> torch
 # -- 1. reductions ----------------------------------------------------------------------------
 
 def weighting_of_name(name: str) -> str:
-    return config.load(None, [f"algorithm.name={name}"]).algorithm.weighting
+    return checks.load(None, [f"algorithm.name={name}"]).algorithm.weighting
 
 
 NEUTRAL = [("fedprox", ["algorithm.prox_mu=0"]),
@@ -134,7 +134,7 @@ def twin_grad(flat, x, y, shapes):
 
 
 def make_client(local: str, overrides=(), steps: int = 1, proj_dim: int = 0, seed: int = 0):
-    cfg = config.load(None, ["data.name=synthetic", "model.name=mlp", f"model.hidden={HIDDEN}",
+    cfg = checks.load(None, ["data.name=synthetic", "model.name=mlp", f"model.hidden={HIDDEN}",
                              "train.batch_size=0", f"train.local_steps={steps}", "train.lr=0.1",
                              f"algorithm.local={local}", f"algorithm.moon_proj_dim={proj_dim}",
                              "algorithm.name=fedavg" if local not in ("scaffold", "gam_cv", "smoo")
@@ -251,7 +251,7 @@ def test_scaffold_option_one_extra_pass_leaves_training_alone():
     results = {}
     for option in ("I", "II"):
         model = bn_net()
-        cfg = config.load(None, ["algorithm.name=scaffold", "algorithm.local=scaffold",
+        cfg = checks.load(None, ["algorithm.name=scaffold", "algorithm.local=scaffold",
                                  f"algorithm.scaffold_control={option}",
                                  "train.batch_size=6", "train.local_steps=3", "train.lr=0.1"])
         layout = FlatLayout(model)
@@ -291,7 +291,7 @@ def test_moon_frozen_models_run_in_eval_mode():
             p.add_(0.3 * torch.randn(p.shape, generator=g))
         model(torch.randn(32, 4, generator=g) - 1)
         w_prev = layout.flatten(model).clone()
-    cfg = config.load(None, ["algorithm.name=moon", "algorithm.moon_mu=1.0"])
+    cfg = checks.load(None, ["algorithm.name=moon", "algorithm.moon_mu=1.0"])
     layout.unflatten_into(w_glob, model)
     ctx = ClientContext(0, 2, w_glob, layout, cfg.algorithm, {}, {"prev_P": w_prev.clone()})
     rule = rules.get("moon")
@@ -386,7 +386,7 @@ def test_extra_passes_leave_batchnorm_statistics_to_the_first_pass(local):
     features = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU())
     model = Net(features, torch.nn.Linear(6, 3))
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-    cfg = config.load(None, ["algorithm.sam_rho=0.5", "algorithm.gam_rho=0.5"])
+    cfg = checks.load(None, ["algorithm.sam_rho=0.5", "algorithm.gam_rho=0.5"])
     layout = FlatLayout(model)
     twin = copy.deepcopy(model)
     params_before = [p.detach().clone() for p in model.parameters()]
@@ -494,7 +494,7 @@ def test_composition_runs_and_differs(tmp_path):
     prox_gma = final_global(tmp_path, "fedgma", "algorithm.server_lr=0.5", "algorithm.local=prox",
                             "algorithm.prox_mu=1.0", rounds=2)
     assert (gma - prox_gma).abs().max() > 1e-5
-    config.load(None, ["algorithm.name=feder", "algorithm.local=gam", "data.name=mnist", "model.name=cnn"])
+    checks.load(None, ["algorithm.name=feder", "algorithm.local=gam", "data.name=mnist", "model.name=cnn"])
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -514,7 +514,7 @@ def test_composition_runs_and_differs(tmp_path):
 ])
 def test_impossible_combinations_are_config_errors(overrides, words):
     with pytest.raises(ConfigError) as info:
-        config.load(None, overrides)
+        checks.load(None, overrides)
     for word in words:
         assert word in str(info.value), (word, str(info.value))
 
@@ -530,7 +530,7 @@ def test_scaffold_option_one_end_to_end(tmp_path):
 
 def test_scaffold_option_one_accepts_any_optimizer():
     for overrides in (["train.momentum=0.9"], ["train.optimizer=adam"]):
-        config.load(None, ["algorithm.name=scaffold", "algorithm.scaffold_control=I", *overrides])
+        checks.load(None, ["algorithm.name=scaffold", "algorithm.scaffold_control=I", *overrides])
 
 
 def test_auto_weighting_is_the_papers(tmp_path):
@@ -559,7 +559,7 @@ class RecordLr(rules.LocalRule):
 
 def client_steps(overrides, round_idx=1, rule=None, model_name="mlp"):
     data_name = "mnist" if model_name == "cnn" else "synthetic"  # validation: a CNN needs images
-    cfg = config.load(None, [f"data.name={data_name}", f"model.name={model_name}", "model.hidden=8",
+    cfg = checks.load(None, [f"data.name={data_name}", f"model.name={model_name}", "model.hidden=8",
                              "train.batch_size=8", *overrides])
     torch.manual_seed(0)
     shape = (1, 28, 28) if model_name == "cnn" else (D_IN,)

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from fedddp import config
+from fedddp import checks, config
 from fedddp.client import batched, batched_optim
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
@@ -39,7 +39,7 @@ SYNTHETIC = ["data.num_clients=8", "run.clients_per_round=6", "train.batch_size=
 
 def final_P(tmp_path, parallel: int, overrides: list[str], rounds: int = 3) -> torch.Tensor:
     out = tmp_path / f"B{parallel}"
-    cfg = config.load(None, overrides + [f"run.rounds={rounds}", f"run.out_dir={out}", "run.overwrite=true",
+    cfg = checks.load(None, overrides + [f"run.rounds={rounds}", f"run.out_dir={out}", "run.overwrite=true",
                                          f"run.parallel_clients={parallel}"])
     return run(cfg, Comm(SINGLE, "cpu"))["global_P"]
 
@@ -156,7 +156,7 @@ def test_augmented_batches_are_the_sequential_paths():
     model = cnn((1, 28, 28), 10)
     layout = FlatLayout(model)
     global_P = layout.flatten(model).clone()
-    cfg = config.load(None, ["run.parallel_clients=3", "train.batch_size=10", "data.augment=true"])
+    cfg = checks.load(None, ["run.parallel_clients=3", "train.batch_size=10", "data.augment=true"])
     clients = [ClientData(torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))) for n in (7, 23, 40)]
     steps = (1, 3, 4)
 
@@ -207,7 +207,7 @@ def test_resume_continues_exactly_side_by_side(tmp_path):
     overrides = SYNTHETIC + ["model.name=logistic", "algorithm.name=scaffold", "run.ckpt_every=1"]
     whole_P = final_P(tmp_path / "whole", 4, overrides)
     final_P(tmp_path / "parts", 4, overrides + ["run.stop_after=2"])
-    cfg = config.load(None, overrides + ["run.rounds=3", f"run.out_dir={tmp_path / 'parts' / 'B4'}",
+    cfg = checks.load(None, overrides + ["run.rounds=3", f"run.out_dir={tmp_path / 'parts' / 'B4'}",
                                          "run.resume=true", "run.parallel_clients=4"])
     assert torch.equal(run(cfg, Comm(SINGLE, "cpu"))["global_P"], whole_P)
 
@@ -239,7 +239,7 @@ def test_world_size_invariance_bitwise_for_fixed_b(tmp_path):
     (["run.parallel_clients=0"], "must be >= 1")])
 def test_what_is_not_batched_is_a_config_error_naming_the_fix(overrides, words):
     with pytest.raises(ConfigError) as err:
-        config.load(None, ["run.parallel_clients=4"] + overrides)
+        checks.load(None, ["run.parallel_clients=4"] + overrides)
     assert words in str(err.value)
     assert "run.parallel_clients" in str(err.value)
 
@@ -248,7 +248,7 @@ def test_what_is_not_batched_is_a_config_error_naming_the_fix(overrides, words):
 def test_adamp_and_rmsgd_are_batched(optimizer):
     """AdamP and RMSGD have stacked forms (fedddp.client.batched_optim), so side by side accepts
     them (tests/test_batched_optim.py compares them with the packages)."""
-    config.load(None, ["run.parallel_clients=4", f"train.optimizer={optimizer}"])
+    checks.load(None, ["run.parallel_clients=4", f"train.optimizer={optimizer}"])
 
 
 def test_batch_norm_without_flat_buffers_or_other_buffers_are_refused_when_built():
@@ -263,7 +263,7 @@ def test_batch_norm_without_flat_buffers_or_other_buffers_are_refused_when_built
     from fedddp.tasks import CLASSIFICATION
 
     net = Net(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 2))
-    cfg = config.load(None, ["run.parallel_clients=4"])
+    cfg = checks.load(None, ["run.parallel_clients=4"])
     batched.BatchedTrainer(net, FlatLayout(net), cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
     with pytest.raises(ConfigError, match="model.flat_buffers=true or run.parallel_clients=1"):
         batched.BatchedTrainer(net, FlatLayout(net, buffers=False), cfg, rules.get("plain"), frozenset(),
@@ -370,7 +370,7 @@ def test_each_client_keeps_its_own_running_statistics():
     model = BatchNormCNN((1, 6, 6), 3)
     layout = FlatLayout(model)
     global_P = layout.flatten(model).clone()
-    cfg = config.load(None, ["run.parallel_clients=3", "train.batch_size=10", "train.lr=0.1", "train.momentum=0.9"])
+    cfg = checks.load(None, ["run.parallel_clients=3", "train.batch_size=10", "train.lr=0.1", "train.momentum=0.9"])
     rule = rules.get("plain")
     clients = [ClientData(torch.randn(n, 1, 6, 6), torch.randint(0, 3, (n,))) for n in (7, 23, 40)]
 
@@ -582,7 +582,7 @@ def test_dropout_on_a_dimension_other_than_the_batch_is_refused_side_by_side():
     nn = torch.nn
     net = dropout.seeded(Net(nn.Sequential(nn.Linear(4, 8), Transpose(), nn.Dropout(0.5), Transpose()),
                              nn.Linear(8, 2)))
-    cfg = config.load(None, ["run.parallel_clients=4"])
+    cfg = checks.load(None, ["run.parallel_clients=4"])
     trainer = batched.BatchedTrainer(net, FlatLayout(net), cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
     with pytest.raises(ConfigError, match=r"dropout layer features.2 sees inputs \[8, 1\], \[8, 2\].*"
                                           "run.parallel_clients=1"):
@@ -640,7 +640,7 @@ def _measure_adam_zero_gradient(seeds: int = 20, lr: float = 1e-3) -> None:
     from fedddp.models import Net
     from fedddp.tasks import CLASSIFICATION
 
-    cfg = config.load(None, ["run.parallel_clients=3", "train.batch_size=0", "train.optimizer=adam",
+    cfg = checks.load(None, ["run.parallel_clients=3", "train.batch_size=0", "train.optimizer=adam",
                              f"train.lr={lr}", "train.local_steps=1"])
     rule, nn = rules.get("plain"), torch.nn
     bias, other, itself = [], [], []

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fedddp
-from fedddp import algorithms, checkpoint, config, plugins, strategies
+from fedddp import algorithms, checkpoint, checks, config, plugins, registry, strategies
 from fedddp.client import rules
 from fedddp.__main__ import main
 from fedddp.strategies import kernels
@@ -27,9 +27,12 @@ def in_repo(monkeypatch):
     The registries the plugins join are restored after each test, so no other test sees them."""
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    for module, name in ((strategies, "REGISTRY"), (algorithms, "ALGORITHMS"), (algorithms, "WEIGHTING"),
-                         (rules, "RULES"), (plugins, "_objects")):
-        monkeypatch.setattr(module, name, dict(getattr(module, name)))
+    tables = (registry.SERVER_RULES, registry.LOCAL_RULES, registry.ALGORITHMS, registry.WEIGHTING, plugins._objects)
+    saved = [dict(table) for table in tables]
+    yield
+    for table, content in zip(tables, saved):
+        table.clear()
+        table.update(content)
 
 
 def run_main(capsys, args: list[str]) -> tuple[int, list[str]]:
@@ -59,7 +62,7 @@ def test_example_plugin_is_world_size_invariant(tmp_path):
     assert_same_state(result.state_dict, final_state(one))
     assert [row["train_loss"] for row in result.metrics] == [row["train_loss"] for row in metrics(one)]
     assert "aggregation: torch ops (a plugin server rule" in proc.stderr
-    saved = config.load(str(one / "config.toml"))
+    saved = checks.load(str(one / "config.toml"))
     assert saved.data.name == "examples.my_plugin:blobs"
     assert saved.algorithm.name == "examples.my_plugin:TRIMMED_MEAN"
     assert saved.algorithm.params == {"trim": 0.2, "clip": 5.0}
@@ -93,8 +96,8 @@ def test_plugin_server_rule_runs_in_torch_ops(tmp_path, capsys, monkeypatch):
 
 def test_a_plugin_server_rule_pairs_with_plain_clients_and_sample_weights_by_default():
     path = "examples.my_plugin:TRIMMED_MEAN"
-    cfg = config.load(None, PLUGIN_DATA + [f"algorithm.name={path}"])
-    assert algorithms.resolve(cfg) == ("plain", path) and cfg.algorithm.weighting == "samples"
+    cfg = checks.load(None, PLUGIN_DATA + [f"algorithm.name={path}"])
+    assert registry.resolve(cfg.algorithm) == ("plain", path) and cfg.algorithm.weighting == "samples"
     assert algorithms.describe(cfg) == f"{path}: plain clients, {path} server rule, samples weights"
 
 
@@ -188,9 +191,9 @@ def test_builtin_rules_take_no_params(tmp_path, capsys):
 
 
 def test_params_defaults_are_filled_in_and_an_int_is_taken_for_a_float():
-    cfg = config.load(EXAMPLE, ["algorithm.params.clip=2"])
+    cfg = checks.load(EXAMPLE, ["algorithm.params.clip=2"])
     assert cfg.algorithm.params == {"trim": 0.2, "clip": 2.0} and type(cfg.algorithm.params["clip"]) is float
-    cfg = config.load(None, PLUGIN_DATA + ["algorithm.name=examples.my_plugin:TRIMMED_MEAN",
+    cfg = checks.load(None, PLUGIN_DATA + ["algorithm.name=examples.my_plugin:TRIMMED_MEAN",
                                            "algorithm.local=examples.my_plugin:ClippedSGD"])
     assert cfg.algorithm.params == {"trim": 0.5, "clip": 1.0}
     assert tomllib.loads(config.dumps(cfg))["algorithm"]["params"] == {"trim": 0.5, "clip": 1.0}
@@ -208,7 +211,7 @@ def test_resume_with_plugins_is_exact_and_refuses_a_changed_rule_param(tmp_path,
     status, lines = run_main(capsys, common + [f"run.out_dir={part}", "run.resume=true"])
     assert status == 0, lines
     assert_same_state(final_state(full), final_state(part))
-    assert checkpoint.identity(config.load(EXAMPLE, []))["algorithm.params"] == {"trim": 0.2, "clip": 5.0}
+    assert checkpoint.identity(checks.load(EXAMPLE, []))["algorithm.params"] == {"trim": 0.2, "clip": 5.0}
 
 
 # -- import paths that fail: one line, exit 2 ------------------------------------------------

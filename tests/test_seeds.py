@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedddp import config, round as round_mod
+from fedddp import checks, config, round as round_mod
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 
@@ -24,7 +24,7 @@ def run_recording_data(tmp_path, monkeypatch, overrides):
         return data
 
     monkeypatch.setattr(round_mod, "build_data", recording_build)
-    cfg = config.load(QUICKSTART, ["run.rounds=2", "run.progress=false", "run.ckpt_every=0",
+    cfg = checks.load(QUICKSTART, ["run.rounds=2", "run.progress=false", "run.ckpt_every=0",
                                    f"run.out_dir={tmp_path / '_'.join(overrides)}"] + overrides)
     result = round_mod.run(cfg, Comm(ProcessEnv(0, 1, 0, "127.0.0.1", 29500, "single"), "cpu"))
     return made[0], result["global_P"]
@@ -63,4 +63,4 @@ def test_partition_and_holdout_follow_data_seed_only(tmp_path, monkeypatch, part
 
 def test_data_seed_must_be_non_negative():
     with pytest.raises(config.ConfigError, match="data.seed: must be >= 0"):
-        config.load(None, ["data.seed=-1"])
+        checks.load(None, ["data.seed=-1"])

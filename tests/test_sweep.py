@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fedddp import config, sweep
+from fedddp import checks, config, sweep
 from fedddp.errors import ConfigError
 from fedrun import REPO, assert_same_state, descendants, final_state, metrics, run_fedddp, wait_for_rounds
 
@@ -62,7 +62,7 @@ def test_axes_from_file_and_command_line_expand_to_named_folders(tmp_path):
 
 def test_a_sweep_file_run_directly_says_how_to_run_it(tmp_path):
     with pytest.raises(ConfigError, match="python -m fedddp.sweep"):
-        config.load(write_sweep(tmp_path))
+        checks.load(write_sweep(tmp_path))
 
 
 def test_bad_combination_is_one_line_naming_it_and_the_file(tmp_path):
@@ -75,7 +75,7 @@ def test_bad_combination_is_one_line_naming_it_and_the_file(tmp_path):
 
 
 def test_gpu_slots_are_disjoint(monkeypatch):
-    point = sweep.Point("a", [], "out", cfg=config.load(None, ["run.device=cuda"]))
+    point = sweep.Point("a", [], "out", cfg=checks.load(None, ["run.device=cuda"]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert sweep.gpu_slots([point], 2, 2) == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
     assert sweep.gpu_slots([point], 4, 1)[3] == {"CUDA_VISIBLE_DEVICES": "7"}

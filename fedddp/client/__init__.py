@@ -16,11 +16,13 @@ import torch
 from torch import nn
 
 from ..data import ClientData
+from ..data.vision import augment_batch
 from ..errors import ConfigError
 from ..flat import FlatLayout
+from ..metrics.effective_rank import effective_ranks_L
 from ..sampling import batch_size_of
 from ..tasks import CLASSIFICATION, Task
-from . import dropout
+from ..models import dropout
 from .optim import build_optimizer, epoch_end, lr_at
 from .rules import LocalRule, param_views
 
@@ -130,7 +132,6 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
         idx = order[pos * batch_size:(pos + 1) * batch_size]
         x, y = data.x[idx], data.y[idx]
         if cfg.data.augment:
-            from ..data.vision import augment_batch
             x = augment_batch(x, gen)
         # unset, not zeroed: backward then hands its gradients over instead of adding them to
         # zeros, one kernel per parameter fewer (a small model's GPU step is bound by launches);
@@ -155,7 +156,6 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     if "full_grad_KP" in needs:
         out["full_loss"] = full_batch_gradient(model, data, ctx.layout, out["full_grad_P"], ctx.task)
     if "eff_rank_KL" in needs:
-        from ..metrics.effective_rank import effective_ranks_L
         out["eff_rank_L"] = effective_ranks_L(model, ctx.layout, ctx.hp.feder_unfold)
 
 

@@ -67,10 +67,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from .. import strategies, tasks
+from ..data.vision import augment_batch
 from ..errors import ConfigError
 from ..flat import FlatLayout
+from ..metrics.effective_rank import effective_ranks_L
 from ..sampling import batch_size_of
-from . import ClientContext, batches_per_epoch, dropout, full_batch_gradient, planned_steps, start_gradient
+from ..models import dropout
+from ..registry import resolve
+from . import rules
+from . import ClientContext, batches_per_epoch, full_batch_gradient, planned_steps, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 from .optim import lr_at
 
@@ -85,9 +91,8 @@ def check(cfg) -> list[str]:
         return [f"run.parallel_clients: must be >= 1 (1: one client after another), got {size}"]
     if size == 1:
         return []
-    from ..algorithms import resolve  # late: algorithms imports the strategy registry
     try:
-        local = resolve(cfg)[0]
+        local = resolve(cfg.algorithm)[0]
     except Exception:  # noqa: BLE001 - an unknown algorithm is reported by its own check
         return []
     fix = "; set run.parallel_clients=1"
@@ -113,11 +118,7 @@ _FLAT_BUFFERS_ERROR = ("run.parallel_clients: model.name = {} has BatchNorm, who
 def try_side_by_side(cfg, model, data) -> None:
     """--check's trial of the run's side-by-side step (``BatchedTrainer.try_step``) on the first
     client with samples of ``data`` (a built FederatedData), as the run makes it before round 1."""
-    from .. import strategies, tasks
-    from ..algorithms import resolve
-    from . import rules
-
-    local, server = resolve(cfg)
+    local, server = resolve(cfg.algorithm)
     needs = strategies.ALWAYS | strategies.get(server).needs_for(cfg.algorithm)
     trainer = BatchedTrainer(model, FlatLayout(model, buffers=cfg.model.flat_buffers), cfg, rules.get(local),
                              needs, tasks.get(data.task))
@@ -147,7 +148,6 @@ class _Schedule:
 
     def augmented_batch(self, step: int):
         """This step's batch, augmented by draws that follow the step's permutation."""
-        from ..data.vision import augment_batch
         idx = self.positions(step).to(self.device)
         return augment_batch(self.data.x[idx], self.gen), self.data.y[idx]
 
@@ -544,8 +544,7 @@ class BatchedTrainer:
             if "full_grad_KP" in needs:
                 out["full_loss"] = full_batch_gradient(self.model, data, layout, out["full_grad_P"], ctx.task)
             if "eff_rank_KL" in needs:
-                from ..metrics.effective_rank import effective_ranks_L
-                out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
+                        out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
             out["train_time"] = seconds
 
     def _batches(self, schedules: list[_Schedule], step: int, device, group_x, group_y, offsets: list[int]):

@@ -47,6 +47,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from ..registry import LOCAL_RULES
+
 # -- flat-vector helpers ------------------------------------------------------------------
 
 
@@ -374,7 +376,9 @@ class Smoo(LocalRule):
             out["perturb_dual_P"].copy_(ctx.scratch["perturb_dual_P"])
 
 
-RULES: dict[str, type[LocalRule]] = {r.name: r for r in (LocalRule, Prox, Scaffold, Moon, Sam, Gam, GamCV, Smoo)}
+# the built-in local rules, registered by name; RULES is the registry's dict (plugins join it too)
+LOCAL_RULES.update({r.name: r for r in (LocalRule, Prox, Scaffold, Moon, Sam, Gam, GamCV, Smoo)})
+RULES = LOCAL_RULES
 
 
 def get(name: str) -> LocalRule:

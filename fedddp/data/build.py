@@ -18,6 +18,7 @@ import torch
 from . import cmapss, colored, idx, leaf, partition, synthetic, tensors, vision
 from .clients import ClientData, FederatedData, LazyClients
 from .. import plugins
+from ..config import DataConfig
 from ..errors import ConfigError, DataError
 
 # Data sets whose loaders make every requested client's float tensors when they build: asked for
@@ -56,7 +57,6 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
         train, test = vision.load(root, data.name, download=data.download)
         (mean_C, std_C), num_classes = vision.STATS[data.name], vision.NUM_CLASSES[data.name]
     else:
-        from ..config import DataConfig  # the one list of data set names
         valid = DataConfig.__dataclass_fields__["name"].metadata["choices"]
         raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: {', '.join(valid)})")
     if holdout:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import tensorly as tl
 import torch
 
 TAU_FACTOR = 2.5129   # tau_bar = 2.5129 sqrt(a): where the EVB free-energy branches meet
@@ -133,6 +132,8 @@ def entropy(d) -> float:
 
 def _unfold_rank(weight: np.ndarray, mode: int) -> float:
     # Through tensorly's active backend (numpy unless someone switched it), back to numpy.
+    import tensorly as tl  # late: its import takes about 0.5 s, and only FedER runs unfold kernels
+
     d, _ = evbmf(tl.to_numpy(tl.unfold(tl.tensor(weight), mode)))
     return entropy(d)
 

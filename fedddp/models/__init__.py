@@ -19,6 +19,10 @@ import math
 import torch
 from torch import nn
 
+from .. import plugins
+from ..errors import ConfigError
+from .dropout import seeded
+
 
 class Net(nn.Module):
     def __init__(self, features: nn.Module, head: nn.Module):
@@ -85,22 +89,11 @@ def resnet18(input_shape, num_classes) -> Net:
     return Net(net, head)
 
 
-def build_model(cfg, input_shape, num_classes, task: str | None = None) -> nn.Module:
-    """The model of ``model.name`` (a built-in, or ``module:attr`` called as (input_shape,
-    num_classes)) for data of this shape and task, checked against what the run's rules need
-    (``algorithms.check_model``: a ConfigError naming what is missing); MOON's projection head
-    added; each nn.Dropout a ``client.dropout.SeededDropout``. Every rank builds the same model
-    from the same seed."""
-    from .. import plugins
-    from ..algorithms import check_model, resolve  # late: algorithms imports the strategy registry
-    from ..errors import ConfigError
-
-    from ..tasks import of_data
-
-    # None: the task of a built-in data set by its name (the data's own FederatedData.task is
-    # what the round loop passes)
-    task = task or of_data(cfg.data.name) or "classification"
-    name, input_shape = cfg.model.name, tuple(input_shape)
+def build(name: str, input_shape, num_classes: int, task: str, hidden: int = 200) -> nn.Module:
+    """The model ``name`` (a built-in, or ``module:attr`` called as (input_shape, num_classes))
+    for data of this shape and task, each nn.Dropout a ``dropout.SeededDropout``; ``hidden`` is
+    the MLP's width. What the run's rules need of it is checked above (``algorithms.build_model``)."""
+    input_shape = tuple(input_shape)
     if plugins.is_path(name):
         net = plugins.get(name, "model.name")(input_shape, num_classes)
         if not isinstance(net, nn.Module):
@@ -114,18 +107,8 @@ def build_model(cfg, input_shape, num_classes, task: str | None = None) -> nn.Mo
             raise ConfigError(f"model.name: ffnn is a regressor (one sigmoid output); the data are a {task} "
                               "task (use logistic, mlp, cnn or resnet18)")
         if name == "mlp":
-            net = mlp(input_shape, num_classes, cfg.model.hidden)
+            net = mlp(input_shape, num_classes, hidden)
         else:
             builders = {"logistic": logistic, "cnn": cnn, "resnet18": resnet18, "ffnn": ffnn}
             net = builders[name](input_shape, num_classes)
-    errors = check_model(cfg, net, task)
-    if errors:
-        raise ConfigError("; ".join(errors))
-    if resolve(cfg)[0] == "moon":
-        if not isinstance(net, Net):
-            net = Net(net.features, net.head)  # the contrastive term reads features, the loss head(...)
-        if cfg.algorithm.moon_proj_dim > 0:
-            net = add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)
-    from ..client.dropout import seeded
-
     return seeded(net)  # dropout masks per (client, step), the same one after another and side by side

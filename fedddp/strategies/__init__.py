@@ -37,112 +37,12 @@ tensors: scalars, which go to metrics.jsonl, and per-client rows named by their 
 ``_KL``; rows in the stacks' client-id order), which go to clients.jsonl (fedddp.logs).
 """
 
-from __future__ import annotations
-
-import dataclasses
-import math
-from dataclasses import dataclass
-from typing import Callable
-
-import torch
-
-from . import kernels
-
-Stacks = dict[str, torch.Tensor]
-State = dict[str, torch.Tensor]
-AggregateFn = Callable[[torch.Tensor, Stacks, State, object], tuple[torch.Tensor, State, dict]]
-
-ALWAYS = frozenset({"params_KP", "num_samples_K", "train_loss_K"})
-
-
-def _no_state(global_P: torch.Tensor, hp) -> State:
-    return {}
-
-
-@dataclass(frozen=True)
-class Strategy:
-    name: str
-    aggregate: AggregateFn
-    needs: frozenset[str] = frozenset()
-    init_state: Callable[[torch.Tensor, object], State] = _no_state
-    # state entries every rank needs before local training (e.g. SCAFFOLD's server control c):
-    # broadcast from rank 0 with the global model each round.
-    client_visible: tuple[str, ...] = ()
-    # report fields needed under given hyper-parameters, when that depends on them (``needs``
-    # is then the widest set, for documentation)
-    needs_fn: Callable[[object], frozenset[str]] | None = None
-    doc: str = ""
-    # ledger(state, static_stacks, hp) -> diagnostics describing the state itself, written every
-    # round, also one without reports that leaves the state as it was (DP-FedAvg's epsilon)
-    ledger: Callable[[State, Stacks, object], dict] | None = None
-    # the rule's own hyperparameters in [algorithm.params], name -> default (its type is the
-    # type a given value must have; an int is taken for a float)
-    params: dict = dataclasses.field(default_factory=dict)
-    # check_params(params) -> one error line per bad value (params with defaults filled in)
-    check_params: Callable[[dict], list[str]] | None = None
-
-    def needs_for(self, hp) -> frozenset[str]:
-        return self.needs_fn(hp) if self.needs_fn is not None else self.needs
-
-
-REGISTRY: dict[str, Strategy] = {}
-
-
-def register(strategy: Strategy) -> Strategy:
-    assert strategy.name not in REGISTRY, f"server rule {strategy.name} registered twice"
-    REGISTRY[strategy.name] = strategy
-    return strategy
-
-
-def plugin_form(strategy: Strategy, name: str) -> Strategy:
-    """A plugin server rule, registered under its import path ``name``: its aggregate runs with
-    every helper it calls (weighted_mean_P) in the torch-op form on every device, since only the
-    built-in rules have fused kernels."""
-    def aggregate(global_P, stacks, state, hp):
-        with kernels.forced("torch"):
-            return strategy.aggregate(global_P, stacks, state, hp)
-
-    return dataclasses.replace(strategy, name=name, aggregate=aggregate)
-
-
-def get(name: str) -> Strategy:
-    return REGISTRY[name]
-
-
-def client_weights_K(stacks: Stacks, hp) -> torch.Tensor:
-    """p_k summing to 1: n_k / n (samples) or 1/K (uniform), as hp.weighting says; auto (a config
-    not resolved by config.load) is the algorithm's own, fedddp.algorithms.weighting_of."""
-    from ..algorithms import weighting_of  # late: fedddp.algorithms imports this package
-    n_K = stacks["num_samples_K"].to(stacks["params_KP"].dtype)
-    if weighting_of(hp) == "uniform":
-        n_K = torch.ones_like(n_K)
-    return n_K / n_K.sum()
-
-
-def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Tensor:
-    """sum_k w_k rows_k in one pass over [K, P]: the fused kernel, C on CPU or Triton on CUDA
-    (whose client-order sums every other kernel of its form repeats, so a rule's neutral
-    setting gives these bits), else one matrix-vector product."""
-    lib = kernels.lib(rows_KP, rule="fedavg")
-    if lib is None:
-        return weights_K.to(rows_KP.dtype) @ rows_KP
-    return kernels.mean(lib, rows_KP, weights_K)
-
-
-def column_block(num_rows: int, device: torch.device) -> int:
-    """Columns per block for rules that need [K, block] temporaries: about 1 MiB of float32 per
-    temporary on CPU (fits in L2), 256 MiB on an accelerator (few kernel launches)."""
-    budget = 1 << 18 if device.type == "cpu" else 1 << 26
-    return max(256, budget // max(num_rows, 1))
-
-
-def min_agreeing(fraction: float, num_clients: int) -> int:
-    """Smallest integer count >= fraction * K, with a 1e-9 slack: 0.28 * 25 is 7.000000000000001."""
-    return max(0, math.ceil(fraction * num_clients - 1e-9))
-
+from .base import (ALWAYS, AggregateFn, REGISTRY, SERVER_RULES, Stacks, State, Strategy, client_weights_K,  # noqa: F401
+                   column_block, get, min_agreeing, plugin_form, register, weighted_mean_P)
+from . import kernels  # noqa: F401
 
 # Registration of the built-in rules: each module registers itself on import.
-from . import fedavg  # noqa: E402,F401
-from . import fedmom, fedcong, fedgma, cgw, feder  # noqa: E402,F401
-from . import scaffold, fednova, fedsmoo  # noqa: E402,F401
-from . import dpfedavg  # noqa: E402,F401
+from . import fedavg  # noqa: F401
+from . import fedmom, fedcong, fedgma, cgw, feder  # noqa: F401
+from . import scaffold, fednova, fedsmoo  # noqa: F401
+from . import dpfedavg  # noqa: F401

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from . import Strategy, client_weights_K, column_block, kernels, register, weighted_mean_P
+from . import kernels
+from .base import Strategy, client_weights_K, column_block, register, weighted_mean_P
 
 # x_k outside [2^-100, 2^100] (a gradient norm far from 1) is applied in float64: float32 would
 # overflow, or lose digits to subnormals, in x_k although x_k D_k itself is bounded by c.

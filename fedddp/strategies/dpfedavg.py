@@ -29,7 +29,7 @@ import math
 import torch
 
 from ..sampling import _mix
-from . import Strategy, register, weighted_mean_P
+from .base import Strategy, register, weighted_mean_P
 
 _NOISE_STREAM = 0xD9_0153
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import Strategy, client_weights_K, register, weighted_mean_P
+from .base import Strategy, client_weights_K, register, weighted_mean_P
 
 
 def aggregate(global_P, stacks, state, hp):

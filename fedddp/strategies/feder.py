@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from . import Strategy, kernels, register
+from . import kernels
+from .base import Strategy, register
 
 MIN_RANK = 1e-3
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from . import (Strategy, client_weights_K, column_block, kernels, min_agreeing, register,
+from . import kernels
+from .base import (Strategy, client_weights_K, column_block, min_agreeing, register,
                weighted_mean_P)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Strategy, client_weights_K, register
+from .base import Strategy, client_weights_K, register
 
 
 def normalisers_K(num_steps_K: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:

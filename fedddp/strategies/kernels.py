@@ -51,6 +51,10 @@ import time
 
 import torch
 
+from ..config import AlgorithmConfig
+from ..flat import runs_R3
+from ..registry import SERVER_RULES
+
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.c")
 # -ffp-contract=off: no fused multiply-add, so the bits do not depend on the CPU's instruction
 # set; -march=native only widens the vectors (columns are independent).
@@ -261,9 +265,6 @@ def _mode() -> str:
 
 
 def _probe_inputs():
-    from fedddp.config import AlgorithmConfig
-    from fedddp.flat import runs_R3
-
     K, P = PROBE_CLIENTS, PROBE_PARAMS
     gen = torch.Generator().manual_seed(0)
     global_P = torch.randn(P, generator=gen)
@@ -284,13 +285,11 @@ def probe(rules=RULES, repeats: int = 3) -> dict[str, tuple[str, str]]:
     after a warm-up), and returns rule -> (chosen form, why). On one thread the clock is the
     process's CPU time, which leaves out the time other jobs on a shared machine take."""
     global _probing
-    from fedddp import strategies
-
     clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     global_P, stacks, hp = _probe_inputs()
     forms = {}
     for rule in rules:
-        strategy = strategies.get(rule)
+        strategy = SERVER_RULES[rule]
         state = strategy.init_state(global_P, hp)
         seconds = {"c": math.inf, "torch": math.inf}
         spent, rep = 0.0, 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Strategy, client_weights_K, register, weighted_mean_P
+from .base import Strategy, client_weights_K, register, weighted_mean_P
 
 
 def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:

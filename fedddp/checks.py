@@ -1,0 +1,104 @@
+"""Loading a config: parse it, import and register its plugins, then every check at once.
+
+The checks that need more than the config's own fields (the rules a name pairs, what the local
+rule reads of the server rule, participation, side by side) live in the modules that own those
+concepts; this module sits above all of them and calls them in one place, so no lower module
+imports upward. ``load`` is what the command line, ``fedddp.run``, the sweep and the launchers
+call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from . import algorithms, config, participation, plugins, strategies
+from .client import batched, rules
+from .errors import ConfigError
+from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES, WEIGHTING, resolve, weighting_of
+
+
+def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str] = ()) -> config.Config:
+    """The file (or its tables as nested dicts), then the overrides; every error of both at once,
+    as one ConfigError."""
+    cfg, errors, path = config.parse(path, overrides)
+    # A key whose value was refused keeps its default, so the other keys are still checked;
+    # only errors about keys not already reported are added.
+    reported = {e.split(":", 1)[0] for e in errors}
+    errors += [e for e in validate(cfg) if e.split(":", 1)[0] not in reported]
+    if errors:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
+    # resolved once, so config.toml, the start line and every rule see the same weighting and
+    # the same rule parameters (the declared defaults filled in)
+    cfg.algorithm.weighting = weighting_of(cfg.algorithm)
+    cfg.algorithm.params = algorithms.params_of(cfg.algorithm.params, *resolve(cfg.algorithm))
+    return cfg
+
+
+def validate(cfg: config.Config) -> list[str]:
+    """Every impossible value or combination, each naming its dotted path: the plugins first
+    (their rules are checked with the built-ins'), then the fields, then what spans modules."""
+    errors = register_plugins(cfg)
+    errors += config.check_fields(cfg)
+    errors += algorithms.check_algorithm(cfg)
+    errors += participation.check(cfg)
+    errors += batched.check(cfg)
+    return errors
+
+
+def register_plugins(cfg: config.Config) -> list[str]:
+    """Import every ``module:attr`` of ``cfg`` (on every rank, before the config is validated)
+    and register its rules under their path, so the rest of fedddp looks them up like the
+    built-ins: ``ALGORITHMS[path]`` is (the module's ``LOCAL_RULE``, else plain; the path),
+    ``WEIGHTING[path]`` the module's ``WEIGHTING``, else samples. One error line per key that
+    fails."""
+    errors = []
+    for key in plugins.KEYS:
+        section, name = key.split(".")
+        path = getattr(getattr(cfg, section), name)
+        if not plugins.is_path(path):
+            continue
+        try:
+            obj = plugins.get(path, key)
+            if key in ("data.name", "model.name") and not callable(obj):
+                raise ConfigError(f"{key}: {path!r} is a {type(obj).__name__}, not callable; it must be "
+                                  f"{plugins.KEYS[key]}")
+            if key == "algorithm.name":
+                _register_server(path, obj)
+            elif key == "algorithm.local":
+                _register_local(path, obj)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def _register_server(path: str, obj) -> None:
+    if path in SERVER_RULES:
+        return
+    if isinstance(obj, strategies.Strategy):
+        strategy = obj
+    elif callable(obj):
+        strategy = strategies.Strategy(path, obj, doc=obj.__doc__ or "")
+    else:
+        raise ConfigError(f"algorithm.name: {path!r} is a {type(obj).__name__}; it must be "
+                          f"{plugins.KEYS['algorithm.name']}")
+    module = plugins.module_of(path)
+    local = getattr(module, "LOCAL_RULE", "plain")
+    weighting = getattr(module, "WEIGHTING", "samples")
+    if weighting not in ("samples", "uniform"):
+        raise ConfigError(f"algorithm.name: {path!r}: its module's WEIGHTING is {weighting!r}; it must be "
+                          "samples or uniform")
+    if plugins.is_path(local):
+        _register_local(local, plugins.get(local, "algorithm.local"))
+    SERVER_RULES[path] = strategies.plugin_form(strategy, path)
+    ALGORITHMS[path] = (local, path)
+    WEIGHTING[path] = weighting
+
+
+def _register_local(path: str, obj) -> None:
+    if not (isinstance(obj, type) and issubclass(obj, rules.LocalRule)):
+        raise ConfigError(f"algorithm.local: {path!r} is a {type(obj).__name__}; it must be "
+                          f"{plugins.KEYS['algorithm.local']}")
+    LOCAL_RULES[path] = obj
