@@ -3,7 +3,7 @@
 # (tracked and new, not ignored: a stale build/ or egg-info cannot leak in), build the sdist,
 # then the wheel from the sdist, as pip does for a user who installs from either; check that
 # both hold the files the package reads at run time (strategies/kernels.c) and the Slurm task
-# (fedddp/slurm.py, which fedddp.sweep --slurm imports); install the wheel in a fresh venv that
+# (fedddp/slurm.py, which fedddp.study.sweep --slurm imports); install the wheel in a fresh venv that
 # reuses this Python's installed packages (torch, submitit, ...) but imports fedddp from the
 # wheel, never from the checkout or an editable install; from a folder outside the checkout, run
 # a one-round quickstart and check that its start line names the C kernels, built from the
@@ -48,7 +48,7 @@ step "built $(basename "$sdist") and $(basename "$wheel")"
 # 3. both hold what the package needs beside its modules
 "$python" - "$sdist" "$wheel" <<'EOF' || fail "package contents"
 import sys, tarfile, zipfile
-NEEDED = ["fedddp/strategies/kernels.c", "fedddp/slurm.py", "fedddp/sweep.py", "fedddp/strategies/kernels.py"]
+NEEDED = ["fedddp/strategies/kernels.c", "fedddp/slurm.py", "fedddp/study/sweep.py", "fedddp/strategies/kernels.py"]
 sdist, wheel = sys.argv[1:]
 with tarfile.open(sdist) as tf:
     in_sdist = {name.split("/", 1)[1] for name in tf.getnames() if "/" in name}
@@ -80,7 +80,7 @@ export FEDDDP_CACHE=$work/cache     # kernels built now, from the installed kern
 unset PYTHONPATH
 "$venv_python" - "$work/venv" <<'EOF' || fail "the venv does not import the installed fedddp"
 import os, sys
-import fedddp, fedddp.slurm, fedddp.sweep
+import fedddp, fedddp.slurm, fedddp.study.sweep
 from fedddp.strategies import kernels
 venv = os.path.realpath(sys.argv[1])
 for label, path in (("fedddp", fedddp.__file__), ("fedddp.slurm", fedddp.slurm.__file__),
@@ -108,7 +108,7 @@ esac
 step "one-round quickstart ran with the C kernels"
 
 # --slurm, as far as it goes without a cluster: flags parsed by the installed fedddp.slurm, no job
-"$venv_python" -m fedddp.sweep "$repo/configs/quickstart.toml" run.seed=0,1 --out "$run/sweep" \
+"$venv_python" -m fedddp.study.sweep "$repo/configs/quickstart.toml" run.seed=0,1 --out "$run/sweep" \
     --slurm --local --gpus-per-node 0 --dry-run >"$work/sweep.out" 2>&1 ||
     { cat "$work/sweep.out" >&2; fail "sweep --slurm --dry-run"; }
 grep -q "2 combination(s)" "$work/sweep.out" || { cat "$work/sweep.out" >&2; fail "sweep --slurm --dry-run output"; }

@@ -290,8 +290,8 @@ def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None,
     every error is appended, and a bad value leaves the field as it was."""
     cfg = Config() if cfg is None else cfg
     for section, table in raw.items():
-        if section == "sweep":  # read by fedddp.sweep, which runs the file's base config per combination
-            errors.append("sweep: this file is a sweep; run it with python -m fedddp.sweep FILE")
+        if section == "sweep":  # read by fedddp.study.sweep, which runs the file's base config per combination
+            errors.append("sweep: this file is a sweep; run it with python -m fedddp.study.sweep FILE")
             continue
         if section not in SECTIONS:
             errors.append(f"{section}: unknown section (valid: {', '.join(SECTIONS)})")

@@ -19,7 +19,7 @@ seconds ahead); submitit calls ``Trainer.checkpoint`` on rank 0, which resubmits
 with ``run.resume=true``, and requeues the job. The requeued run continues from the newest
 complete checkpoint, so set ``run.ckpt_every`` (what was done since it is redone, identically).
 
-fedddp.sweep --slurm submits its job arrays with this module's executor and task. Part of the
+fedddp.study.sweep --slurm submits its job arrays with this module's executor and task. Part of the
 package (not a script beside it) so that an installed fedddp has it, and so that submitit
 pickles the task by reference: a worker needs fedddp installed, nothing else.
 """

@@ -174,7 +174,7 @@ def submit_command(command: str, *args: str, timeout: int = 120) -> subprocess.C
 @pytest.mark.parametrize("command", ["script", "module"])
 def test_submit_commands_keep_the_interface_and_statuses(tmp_path, command):
     """launch/submit.py is a thin script over fedddp.slurm (the package's module, which
-    fedddp.sweep --slurm uses too): the same flags, lines and statuses through either."""
+    fedddp.study.sweep --slurm uses too): the same flags, lines and statuses through either."""
     usage = submit_command(command, "--help")
     prog = "launch/submit.py" if command == "script" else "python -m fedddp.slurm"
     assert usage.returncode == 0 and usage.stdout.startswith(f"usage: {prog} ") and "--gpus-per-node" in usage.stdout

@@ -30,9 +30,7 @@ LAYERS = [
     ["api"],
     ["__main__"],
     ["slurm"],                              # submitit launcher over the command line
-    ["summary"],                            # study tools: reading, grouping, sweeping, plotting
-    ["sweep", "plot"],
-    ["results"],
+    ["study"],                              # study tools: sweeps, summaries, results, plots
 ]
 
 # fedddp imports that may sit inside a function: (importing module, imported module) -> why

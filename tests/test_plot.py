@@ -1,4 +1,4 @@
-"""python -m fedddp.plot draws runs' metrics and names a missing metric."""
+"""python -m fedddp.study.plot draws runs' metrics and names a missing metric."""
 
 import subprocess
 import sys
@@ -15,10 +15,10 @@ def test_plot_two_runs(tmp_path):
         run_fedddp([f"algorithm.name={name}", "run.rounds=3", "run.eval_every=1",
                     f"run.out_dir={tmp_path / name}"])
     out = tmp_path / "cmp.png"
-    proc = subprocess.run([sys.executable, "-m", "fedddp.plot", str(tmp_path / "fedavg"),
+    proc = subprocess.run([sys.executable, "-m", "fedddp.study.plot", str(tmp_path / "fedavg"),
                            str(tmp_path / "fedmom"), "--out", str(out)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, "-m", "fedddp.plot", str(tmp_path / "fedavg"), "--metric", "nope",
+    bad = subprocess.run([sys.executable, "-m", "fedddp.study.plot", str(tmp_path / "fedavg"), "--metric", "nope",
                           "--out", str(out)], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "no run has values of 'nope'" in bad.stderr and "test_accuracy" in bad.stderr

@@ -233,7 +233,7 @@ def test_an_import_path_that_fails_is_one_line(tmp_path, capsys, monkeypatch, ov
 
 
 def test_a_sweep_axis_over_a_rule_param(tmp_path):
-    from fedddp import sweep
+    from fedddp.study import sweep
 
     _, _, points = sweep.plan(EXAMPLE, ["algorithm.params.trim=0.1,0.5"], str(tmp_path))
     assert [p.cfg.algorithm.params for p in points] == [{"clip": 5.0, "trim": 0.1}, {"clip": 5.0, "trim": 0.5}]

@@ -1,4 +1,4 @@
-"""fedddp.results: runs a sweep file's grid, then writes the document with the claim, the commands,
+"""fedddp.study.results: runs a sweep file's grid, then writes the document with the claim, the commands,
 the commit, the summary table and a verdict computed from the table by the stated rule."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fedddp import results
+from fedddp.study import results
 from fedrun import REPO
 
 SWEEP = """\
@@ -39,7 +39,7 @@ run.seed = [0]
 
 
 def call(*args):
-    return subprocess.run([sys.executable, "-m", "fedddp.results", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fedddp.study.results", *args], capture_output=True, text=True,
                           cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), timeout=300)
 
 
@@ -55,7 +55,7 @@ def test_runs_the_sweep_and_writes_the_document(tmp_path):
     assert "runs made at commit " + head in text
     assert "**Claim.** server momentum beats FedAvg on Synthetic(1, 1)." in text
     assert "seeds: run.seed 0 (n = 1)" in text
-    assert f"python -m fedddp.summary {out} --metric test_accuracy --at last --by algorithm.name" in text
+    assert f"python -m fedddp.study.summary {out} --metric test_accuracy --at last --by algorithm.name" in text
     assert "| algorithm.name | test_accuracy (last) |" in text
     assert "| algorithm.name | test_loss (mean-last-2) |" in text
     fedavg_row = next(line for line in text.splitlines() if line.startswith("| fedavg | "))

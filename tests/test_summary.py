@@ -1,5 +1,5 @@
-"""fedddp.summary groups runs by the keys that differ (seeds left out) and gives mean +- sample
-std (n); fedddp.plot --group-by draws the same groups. Runs are written by hand here (config.toml
+"""fedddp.study.summary groups runs by the keys that differ (seeds left out) and gives mean +- sample
+std (n); fedddp.study.plot --group-by draws the same groups. Runs are written by hand here (config.toml
 as the runtime writes it, metrics.jsonl rows), so the statistics are checked against known numbers."""
 
 import json
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from fedddp import config, summary
+from fedddp import config
+from fedddp.study import summary
 from fedrun import REPO
 
 
@@ -70,29 +71,29 @@ def test_cli_tables_skip_unfinished_and_metricless_runs(sweep, tmp_path):
     root, _ = sweep
     fake_run(root / "unfinished", [0.1], finished=False, algorithm__name="fedavg")
     fake_run(root / "never_evaluated", [None, None], algorithm__name="fedavg")
-    proc = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "algorithm.name"],
+    proc = subprocess.run([sys.executable, "-m", "fedddp.study.summary", str(root), "--by", "algorithm.name"],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "| algorithm.name | test_accuracy (last) |"
     assert lines[2] == "| fedavg | 0.6200 ± 0.0200 (3) |"
     assert "unfinished (no final.pt)" in proc.stderr and "never_evaluated: no values of test_accuracy" in proc.stderr
-    csv_out = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--format", "csv",
+    csv_out = subprocess.run([sys.executable, "-m", "fedddp.study.summary", str(root), "--format", "csv",
                               "--metric", "test_accuracy,test_loss"], capture_output=True, text=True, cwd=REPO)
     header, first = csv_out.stdout.splitlines()[:2]
     assert header == "algorithm.name,test_accuracy_mean,test_accuracy_std,test_accuracy_n,test_loss_mean," \
                      "test_loss_std,test_loss_n"
     assert first.startswith("fedavg,0.62") and first.endswith(",3")
-    by_name = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "name"],
+    by_name = subprocess.run([sys.executable, "-m", "fedddp.study.summary", str(root), "--by", "name"],
                              capture_output=True, text=True, cwd=REPO)  # only algorithm.name varies
     assert by_name.stdout == proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "fedddp.summary", str(root), "--by", "seed"],
+    bad = subprocess.run([sys.executable, "-m", "fedddp.study.summary", str(root), "--by", "seed"],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "'seed' matches run.seed, data.seed" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_plot_group_curve_is_mean_and_std_over_rounds_all_runs_have(tmp_path):
-    from fedddp import plot
+    from fedddp.study import plot
     fake_run(tmp_path / "a", [0.1, None, 0.3, 0.4], algorithm__name="fedavg", run__seed=0)
     fake_run(tmp_path / "b", [0.3, None, 0.5], finished=False, algorithm__name="fedavg", run__seed=1)
     fake_run(tmp_path / "c", [0.9, 0.9, 0.9], algorithm__name="fedmom", run__seed=0)
@@ -112,7 +113,7 @@ def test_plot_cli_groups_and_skips_a_run_without_the_metric(tmp_path):
     fake_run(tmp_path / "runs" / "b", [0.2, 0.3], algorithm__name="fedavg", run__seed=1)
     fake_run(tmp_path / "runs" / "c", [None, None], algorithm__name="fedmom")
     out = tmp_path / "g.png"
-    proc = subprocess.run([sys.executable, "-m", "fedddp.plot", str(tmp_path / "runs"), "--group-by",
+    proc = subprocess.run([sys.executable, "-m", "fedddp.study.plot", str(tmp_path / "runs"), "--group-by",
                            "algorithm.name", "--out", str(out)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

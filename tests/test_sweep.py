@@ -1,4 +1,4 @@
-"""fedddp.sweep: axes from the [sweep] table and the command line, one folder per combination named
+"""fedddp.study.sweep: axes from the [sweep] table and the command line, one folder per combination named
 by its values; a rerun skips finished runs, resumes unfinished ones and refuses a folder that holds
 a run with other settings; --ranks runs through torchrun; --slurm submits a job array."""
 
@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from fedddp import checks, config, sweep
+from fedddp import checks, config
+from fedddp.study import sweep
 from fedddp.errors import ConfigError
 from fedrun import REPO, assert_same_state, descendants, final_state, metrics, run_fedddp, wait_for_rounds
 
@@ -61,13 +62,13 @@ def test_axes_from_file_and_command_line_expand_to_named_folders(tmp_path):
 
 
 def test_a_sweep_file_run_directly_says_how_to_run_it(tmp_path):
-    with pytest.raises(ConfigError, match="python -m fedddp.sweep"):
+    with pytest.raises(ConfigError, match="python -m fedddp.study.sweep"):
         checks.load(write_sweep(tmp_path))
 
 
 def test_bad_combination_is_one_line_naming_it_and_the_file(tmp_path):
     path = write_sweep(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "fedddp.sweep", path, "run.rounds=2,0", "--dry-run",
+    proc = subprocess.run([sys.executable, "-m", "fedddp.study.sweep", path, "run.rounds=2,0", "--dry-run",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "combination seed=0,rounds=0" in proc.stderr and path in proc.stderr
@@ -85,7 +86,7 @@ def test_gpu_slots_are_disjoint(monkeypatch):
 
 
 def run_sweep(*args):
-    return subprocess.run([sys.executable, "-m", "fedddp.sweep", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fedddp.study.sweep", *args], capture_output=True, text=True,
                           cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
@@ -112,7 +113,7 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
     assert "run.resume=true" not in (out / "logs" / "seed=2.log").read_text()
     invocations = (out / "logs" / "sweep.log").read_text().splitlines()
     assert len(invocations) == 2 and " commit " in invocations[1]
-    assert invocations[1].endswith(f"python -m fedddp.sweep {path} --out {out} --parallel 2")
+    assert invocations[1].endswith(f"python -m fedddp.study.sweep {path} --out {out} --parallel 2")
     for seed in (1, 2):
         assert (out / f"seed={seed}" / "final.pt").exists()
         assert [row["round"] for row in metrics(out / f"seed={seed}")] == [1, 2, 3]
@@ -148,7 +149,7 @@ def test_sigterm_stops_the_sweep_and_its_running_run(tmp_path):
         "clients_per_round = 2", "clients_per_round = 8") + "[model]\nname = 'mlp'\nhidden = 128\n"
         "[train]\nlocal_epochs = 2\n")
     out, log = tmp_path / "out", open(tmp_path / "sweep.out", "w+")
-    cmd = [sys.executable, "-m", "fedddp.sweep", path, "run.seed=0", "--out", str(out)]
+    cmd = [sys.executable, "-m", "fedddp.study.sweep", path, "run.seed=0", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     runs = []
@@ -168,7 +169,7 @@ def test_sigterm_stops_the_sweep_and_its_running_run(tmp_path):
     log.seek(0)
     text = log.read()
     assert status == 143 and not left, (status, left, text[-3000:])
-    assert "fedddp.sweep: stopped by SIGTERM" in text and "stopped seed=0" in text, text[-3000:]
+    assert "fedddp.study.sweep: stopped by SIGTERM" in text and "stopped seed=0" in text, text[-3000:]
     assert not (out / "seed=0" / "final.pt").exists()
     again = run_sweep(path, "run.seed=0", "--out", str(out))
     assert again.returncode == 0, again.stdout + again.stderr
@@ -199,7 +200,7 @@ def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch)
 def test_paper_sweep_files_are_headed_and_every_combination_is_valid(path, tmp_path):
     with open(path) as fh:
         header = [line for line in fh if line.startswith("#")]
-    for field in ("# Paper:", "# Hardware:", "python -m fedddp.sweep " + os.path.relpath(path, REPO)):
+    for field in ("# Paper:", "# Hardware:", "python -m fedddp.study.sweep " + os.path.relpath(path, REPO)):
         assert any(field in line for line in header), f"{path}: header lacks {field!r}"
     assert any(line.startswith(("# Table:", "# Figure:")) for line in header)
     _, _, points = sweep.plan(path, [], str(tmp_path))

@@ -1,6 +1,6 @@
 """The package as pip builds it: the sdist and the wheel built from it hold what fedddp reads
 beside its modules at run time (strategies/kernels.c, else the server rules fall back to torch
-ops) and the Slurm task module that fedddp.sweep --slurm imports (it was a script beside the
+ops) and the Slurm task module that fedddp.study.sweep --slurm imports (it was a script beside the
 package, launch/submit.py, so an installed fedddp refused --slurm). .ci/wheel_check.sh goes on
 to install the wheel in a fresh venv and run it."""
 
@@ -19,7 +19,7 @@ from fedrun import REPO
 
 # Files beside the modules that the package opens at run time, and the modules that must be in it.
 PACKAGE_DATA = ["fedddp/strategies/kernels.c"]
-MODULES = ["fedddp/slurm.py", "fedddp/sweep.py", "fedddp/__main__.py"]
+MODULES = ["fedddp/slurm.py", "fedddp/study/sweep.py", "fedddp/__main__.py"]
 
 
 def source_copy(dest: str) -> None:

@@ -1,11 +1,11 @@
 """Run the papers' reduced sweeps and write docs/results.md from their summaries.
 
-    python -m fedddp.results [SWEEP.toml ...] [--data DIR] [--parallel J] [--doc FILE] [--no-run]
+    python -m fedddp.study.results [SWEEP.toml ...] [--data DIR] [--parallel J] [--doc FILE] [--no-run]
 
 Runs every sweep file (default: configs/sweeps/reduced/*.toml, in name order) with
-``fedddp.sweep`` (finished runs are skipped, unfinished ones resumed), then writes the document:
+``fedddp.study.sweep`` (finished runs are skipped, unfinished ones resumed), then writes the document:
 per sweep file, its claim, the sweep file, the exact commands, the commit of the code, how many
-seeds, the ``fedddp.summary`` table(s) and a verdict computed from the first table. Paths are
+seeds, the ``fedddp.study.summary`` table(s) and a verdict computed from the first table. Paths are
 taken from the repository root (the folder above this package), where it runs.
 
 A sweep file says what to do in header lines (``# Field: text``, continued on lines that start
@@ -13,7 +13,7 @@ with ``#`` and more than one space):
 
   # Claim:    the paper's claim, in words (copied into the document)
   # Prepare:  python -m MODULE ARGS  (run first, e.g. a data generator; optional)
-  # Summary:  fedddp.summary's arguments, e.g. --metric test_accuracy --at last --by algorithm.name
+  # Summary:  fedddp.study.summary's arguments, e.g. --metric test_accuracy --at last --by algorithm.name
             (one table per Summary line; the verdict reads the first)
   # Verdict:  key=value[&key=value], ... vs key=value, ...  (the claimed groups, then the
             baselines; keys as in the Summary's --by)
@@ -21,7 +21,7 @@ with ``#`` and more than one space):
 The verdict rule (RULE below): a claimed group reproduces the claim when its mean is better than
 every baseline's mean by more than the larger of the two standard deviations; worse than some
 baseline by more than that is behind a baseline; anything else is within the seeds' spread. Better is
-higher, or lower for losses and errors (fedddp.summary.lower_is_better).
+higher, or lower for losses and errors (fedddp.study.summary.lower_is_better).
 
 The commit is ``git rev-parse --short HEAD``, "+dirty" when tracked files other than the
 document differ from it. The runs a sweep makes are recorded with the commit when it starts
@@ -42,10 +42,10 @@ import sys
 import time
 
 from . import summary, sweep
-from .atomic import atomic_write_text
-from .errors import ConfigError, UserError
+from ..atomic import atomic_write_text
+from ..errors import ConfigError, UserError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEPS = "configs/sweeps/reduced"
 DOC = "docs/results.md"
 FIELDS = ("Paper", "Claim", "Reduced", "Hardware", "Prepare", "Summary", "Verdict")
@@ -80,7 +80,7 @@ def header(path: str) -> dict[str, list[str]]:
                 last = None
     for name in ("Claim", "Summary", "Verdict"):
         if name not in fields:
-            raise ConfigError(f"{path}: no '# {name}:' line in the header (see python -m fedddp.results --help)")
+            raise ConfigError(f"{path}: no '# {name}:' line in the header (see python -m fedddp.study.results --help)")
     return fields
 
 
@@ -251,13 +251,13 @@ def section(path: str, fields: dict, made_at: str, data: str) -> tuple[list[str]
     lines += [f"- sweep file: `{rel}` ({len(points)} runs, {len(runs)} finished)",
               f"- runs made at commit {', '.join(commits) or 'none'}; this document at commit {made_at}",
               f"- seeds: run.seed {', '.join(map(str, seeds))} (n = {len(seeds)})",
-              "- commands (from the repository root; `python -m fedddp.results` runs them all):", "",
+              "- commands (from the repository root; `python -m fedddp.study.results` runs them all):", "",
               "```"]
     lines += [f"{line}" for line in fields.get("Prepare", [])]
     env = "" if raw.get("data", {}).get("root") else f"FEDDDP_DATA={shlex.quote(data)} "
-    lines.append(f"{env}python -m fedddp.sweep {rel} --parallel 2")
+    lines.append(f"{env}python -m fedddp.study.sweep {rel} --parallel 2")
     tables = [summary_args(text, f"{rel}: '# Summary:'") for text in fields["Summary"]]
-    lines += [f"python -m fedddp.summary {out} " + " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in
+    lines += [f"python -m fedddp.study.summary {out} " + " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in
                                                           vars(args).items() if v is not None and k != "digits")
               for args in tables]
     lines += ["```", ""]
@@ -284,7 +284,7 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str)
     lines = ["# Reduced reproductions of the papers' claims", "",
              "Written by `" + command + "` from the runs of the reduced sweeps in "
              f"`{SWEEPS}/`: every number below is computed from those runs "
-             "(`fedddp.summary`), none is typed. Each sweep file's header says what is reduced "
+             "(`fedddp.study.summary`), none is typed. Each sweep file's header says what is reduced "
              "and what replaces a data set that is not here; the full-scale sweeps are in "
              "`configs/sweeps/`. Cells are mean ± sample std (n runs) over the seeds "
              "`run.seed`, with `data.seed` fixed: the spread is training variation.", "",
@@ -303,7 +303,7 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedddp.results", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m fedddp.study.results", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("sweeps", nargs="*", help=f"sweep files (default: {SWEEPS}/*.toml)")
@@ -337,18 +337,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_run:
             for p in paths:
                 status, wall_s, started = run_sweep(p, fields[p], args.parallel, os.path.relpath(doc, REPO))
-                print(f"fedddp.results: {os.path.relpath(p, REPO)}: {started} run(s) started, "
+                print(f"fedddp.study.results: {os.path.relpath(p, REPO)}: {started} run(s) started, "
                       f"{wall_s:.0f} s wall", flush=True)
                 if status != 0:
                     failed.append(os.path.relpath(p, REPO))
-        command = "python -m fedddp.results" + ("" if not args.sweeps else " " + " ".join(args.sweeps))
+        command = "python -m fedddp.study.results" + ("" if not args.sweeps else " " + " ".join(args.sweeps))
         problems = write_doc(paths, doc, commit(os.path.relpath(doc, REPO)), command, data)
     except UserError as exc:
-        print(f"fedddp.results: error: {exc}", file=sys.stderr)
+        print(f"fedddp.study.results: error: {exc}", file=sys.stderr)
         return exc.exit_code
     for problem in problems:
-        print(f"fedddp.results: {problem}", file=sys.stderr)
-    print(f"fedddp.results: wrote {args.doc}")
+        print(f"fedddp.study.results: {problem}", file=sys.stderr)
+    print(f"fedddp.study.results: wrote {args.doc}")
     return 1 if failed or problems else 0
 
 

@@ -1,6 +1,6 @@
 """Tables of mean +- std over seeds, from finished runs: the form of a paper's table.
 
-    python -m fedddp.summary runs/sweep [DIR ...] [--metric test_accuracy[,test_loss]]
+    python -m fedddp.study.summary runs/sweep [DIR ...] [--metric test_accuracy[,test_loss]]
                              [--at last|best|mean-last-K|rounds-A-B] [--by key,...] [--format md|csv]
 
 A DIR is a run's out_dir or any folder above run folders (a sweep's --out). Runs are grouped by
@@ -32,7 +32,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SEED_KEYS = ("run.seed", "data.seed")
 # How a run was run, not what it computes: never a reason to put two runs in different groups.
@@ -233,7 +233,7 @@ def format_table(rows: list[dict], keys: list[str], metrics: list[str], at: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedddp.summary", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m fedddp.study.summary", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("dirs", nargs="+", help="run folders, or folders above them (a sweep's --out)")
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def warn(line: str) -> None:
-        print(f"fedddp.summary: {line}", file=sys.stderr)
+        print(f"fedddp.study.summary: {line}", file=sys.stderr)
 
     try:
         parse_at(args.at)
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = resolve_keys(args.by.split(","), runs) if args.by else differing_keys(runs)
         rows = summarise(runs, metrics, args.at, keys)
     except ConfigError as exc:
-        print(f"fedddp.summary: error: {exc}", file=sys.stderr)
+        print(f"fedddp.study.summary: error: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(format_table(rows, keys, metrics, args.at, args.format, args.digits))
     return 0

@@ -1,12 +1,12 @@
 """Plot one metric of several runs against the round, from their metrics.jsonl.
 
-    python -m fedddp.plot runs/fedavg runs/fedgma [--metric test_accuracy] [--out compare.png]
-    python -m fedddp.plot runs/sweep --group-by algorithm.name [--metric test_accuracy]
+    python -m fedddp.study.plot runs/fedavg runs/fedgma [--metric test_accuracy] [--out compare.png]
+    python -m fedddp.study.plot runs/sweep --group-by algorithm.name [--metric test_accuracy]
 
 A folder is a run's out_dir or any folder above run folders (a sweep's --out). Without
 --group-by each run is one line, labelled by its folder name and algorithm. With --group-by
 KEYS (comma-separated config keys, or ``auto``: the keys that differ, seeds left out, as
-fedddp.summary groups) each group is its mean line with a band of +- one sample std over its
+fedddp.study.summary groups) each group is its mean line with a band of +- one sample std over its
 runs, drawn at the rounds every run of the group has a value for. Rounds without a value (test
 accuracy between evaluations) are skipped; a run without the metric at all is left out with one
 line on stderr. Needs matplotlib (``pip install -e ".[plot]"``).
@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .summary import Run, differing_keys, find_runs, group_runs, mean_std, resolve_keys
 
 
@@ -58,7 +58,7 @@ def curves(runs: list[Run], metric: str, group_by: str | None, warn) -> list[tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedddp.plot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m fedddp.study.plot", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run folders, or folders above them (a sweep's --out)")
     parser.add_argument("--metric", default="test_accuracy", help="a key of metrics.jsonl")
     parser.add_argument("--group-by", default=None,
@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        print('fedddp.plot: error: needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
+        print('fedddp.study.plot: error: needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2
     try:
         lines = curves(find_runs(args.runs), args.metric, args.group_by,
-                       lambda line: print(f"fedddp.plot: {line}", file=sys.stderr))
+                       lambda line: print(f"fedddp.study.plot: {line}", file=sys.stderr))
     except ConfigError as exc:
-        print(f"fedddp.plot: error: {exc}", file=sys.stderr)
+        print(f"fedddp.study.plot: error: {exc}", file=sys.stderr)
         return 2
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, rounds, values, std in lines:

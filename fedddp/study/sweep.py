@@ -1,11 +1,11 @@
 """Run the Cartesian product of config values, one run folder per combination.
 
-    python -m fedddp.sweep CONFIG [key=v1,v2 ...] [--out DIR] [--set key=value] [--dry-run] [--parallel J]
+    python -m fedddp.study.sweep CONFIG [key=v1,v2 ...] [--out DIR] [--set key=value] [--dry-run] [--parallel J]
                            [--ranks N]
-    python -m fedddp.sweep CONFIG [key=v1,v2 ...] --slurm [fedddp.slurm flags, e.g. --partition P]
+    python -m fedddp.study.sweep CONFIG [key=v1,v2 ...] --slurm [fedddp.slurm flags, e.g. --partition P]
 
-    python -m fedddp.sweep configs/quickstart.toml algorithm.name=fedavg,fedmom run.seed=0,1,2 --out runs/cmp
-    python -m fedddp.summary runs/cmp                     mean +- std over the seeds, per algorithm
+    python -m fedddp.study.sweep configs/quickstart.toml algorithm.name=fedavg,fedmom run.seed=0,1,2 --out runs/cmp
+    python -m fedddp.study.summary runs/cmp                     mean +- std over the seeds, per algorithm
 
 Axes come from the config file's ``[sweep]`` table (lists of values, keyed by dotted config
 keys) and from the command line (``key=v1,v2``; a key given there replaces the file's axis). A
@@ -50,8 +50,8 @@ import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import checks, config, slurm
-from .errors import ConfigError, UserError
+from .. import checks, config, slurm
+from ..errors import ConfigError, UserError
 from .summary import HOW_KEYS, flatten
 
 
@@ -171,7 +171,7 @@ def expand(axes: list[Axis], out: str) -> list[Point]:
 
 def write_base(raw: dict, path: str, source: str) -> None:
     """The sweep file without its [sweep] table: the base config every combination overrides."""
-    lines = [f"# The base config of the sweep {source} ([sweep] table removed), written by fedddp.sweep."]
+    lines = [f"# The base config of the sweep {source} ([sweep] table removed), written by fedddp.study.sweep."]
     for section, table in raw.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: {section}: expected a table such as [run]")
@@ -343,13 +343,13 @@ def run_local(base: str, out: str, points: list[Point], parallel: int, ranks: in
             signal.signal(signum, handler)
     if stopped:
         name = signal.Signals(stopped[0]).name
-        print(f"fedddp.sweep: stopped by {name}; every started run has ended; rerun the same command to "
+        print(f"fedddp.study.sweep: stopped by {name}; every started run has ended; rerun the same command to "
               "continue", file=sys.stderr)
         return 128 + stopped[0]
     if failed:
-        print(f"fedddp.sweep: {len(failed)} of {len(todo)} run(s) failed: {'; '.join(failed)}", file=sys.stderr)
+        print(f"fedddp.study.sweep: {len(failed)} of {len(todo)} run(s) failed: {'; '.join(failed)}", file=sys.stderr)
         return 1
-    print(f"fedddp.sweep: {len(points)} run(s) in {out} done; summary: python -m fedddp.summary {shlex.quote(out)}")
+    print(f"fedddp.study.sweep: {len(points)} run(s) in {out} done; summary: python -m fedddp.study.summary {shlex.quote(out)}")
     return 0
 
 
@@ -375,7 +375,7 @@ def record_command(out: str, argv: list[str]) -> None:
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     with open(os.path.join(out, "logs", "sweep.log"), "a") as fh:
-        fh.write(f"{when} commit {code_version()}: python -m fedddp.sweep {shlex.join(argv)}\n")
+        fh.write(f"{when} commit {code_version()}: python -m fedddp.study.sweep {shlex.join(argv)}\n")
 
 
 def run_slurm(slurm_args, base: str, points: list[Point], ranks: int) -> list:
@@ -393,7 +393,7 @@ def run_slurm(slurm_args, base: str, points: list[Point], ranks: int) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedddp.sweep", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m fedddp.study.sweep", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("config", help="experiment TOML, optionally with a [sweep] table")
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         slurm_args = None
         if args.slurm:
             # axes written after a launcher flag land among the launcher's positionals
-            slurm_args = slurm.parse_args([args.config] + rest, prog="python -m fedddp.sweep --slurm")
+            slurm_args = slurm.parse_args([args.config] + rest, prog="python -m fedddp.study.sweep --slurm")
             args.axes += slurm_args.overrides
         if args.parallel < 1 or args.ranks < 1:
             raise ConfigError("--parallel and --ranks: must be >= 1")
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             for point in points:
                 print(f"{point.status:7s} {point.out_dir}  {' '.join(point.overrides)}")
             pending = sum(p.status != "done" for p in points)
-            print(f"fedddp.sweep: {len(points)} combination(s), {pending} to run, "
+            print(f"fedddp.study.sweep: {len(points)} combination(s), {pending} to run, "
                   f"{len(points) - pending} done (dry run: nothing started)")
             return 0
         base = os.path.join(out, "base.toml")
@@ -433,10 +433,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return run_local(base, out, points, args.parallel, args.ranks)
     except UserError as exc:
-        print(f"fedddp.sweep: error: {exc}", file=sys.stderr)
+        print(f"fedddp.study.sweep: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("fedddp.sweep: interrupted; rerun the same command to continue", file=sys.stderr)
+        print("fedddp.study.sweep: interrupted; rerun the same command to continue", file=sys.stderr)
         return 130
 
 
