@@ -502,7 +502,7 @@ def test_dropout_masks_that_differ_would_fail(tmp_path, monkeypatch):
     """Guards against masks that are not the sequential path's: with each side-by-side client's
     masks drawn one step late, the model moves far beyond the tolerance. And dropout is on:
     the model differs from the one trained without it (p = 0)."""
-    from fedddp.client import dropout
+    from fedddp.models import dropout
 
     sequential_P = final_P(tmp_path, 1, DROPOUT)
     masks = batched.BatchedTrainer._dropout_masks
@@ -518,7 +518,7 @@ def test_dropout_masks_that_differ_would_fail(tmp_path, monkeypatch):
 def test_dropout_masks_are_per_client_step_and_layer():
     """A layer's mask depends on (client seed, step, layer index) alone; p of the entries are
     zero and the rest 1 / (1 - p); eval mode and p = 0 leave the input as it is."""
-    from fedddp.client import dropout
+    from fedddp.models import dropout
 
     masks = [dropout.mask(key, index, (400, 50), 0.3, "cpu") for key, index in
              [((7, 0), 0), ((7, 0), 0), ((7, 1), 0), ((8, 0), 0), ((7, 0), 1)]]
@@ -569,7 +569,8 @@ def test_other_random_operations_side_by_side_are_one_line_before_round_1(tmp_pa
 def test_dropout_on_a_dimension_other_than_the_batch_is_refused_side_by_side():
     """Side-by-side masks are drawn per sample along the first dimension: a dropout layer whose
     input has the batch elsewhere is a config error naming it, not masks of the wrong shape."""
-    from fedddp.client import dropout, rules
+    from fedddp.client import rules
+    from fedddp.models import dropout
     from fedddp.data import ClientData
     from fedddp.flat import FlatLayout
     from fedddp.models import Net

@@ -108,7 +108,7 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     epochs_before = (ctx.round_idx - 1) * tc.local_epochs
 
     model.train()
-    drops = dropout.layers(model)  # their masks: drawn from (seed, step, layer), client.dropout
+    drops = dropout.layers(model)  # their masks: drawn from (seed, step, layer), models.dropout
     if rule.needs_start_gradient(ctx.hp):
         # before seeding: the extra pass leaves the training's random stream as it was
         ctx.scratch["start_grad_P"] = start_gradient(model, data, ctx.layout, tc.batch_size, ctx.task, seed)

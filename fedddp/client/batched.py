@@ -27,7 +27,7 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
   the report rows; full-batch gradients (CGW) and effective ranks (FedER) are computed per
   client by the sequential functions, after loading its trained parameters into the model.
 - dropout: vmap refuses random operations, so each client's masks for the step are drawn
-  outside it from (its seed, step, layer) exactly as ``client.dropout.SeededDropout`` draws them
+  outside it from (its seed, step, layer) exactly as ``models.dropout.SeededDropout`` draws them
   in the sequential path, padded with zeros, and the twin's ``_MaskedDropout`` layers multiply by
   them; any other random operation is a config error naming the module, found before round 1 by
   ``try_step`` (which the run and ``--check`` call).
