@@ -42,6 +42,7 @@ step device python3 -c "import torch, triton; print(torch.__version__, 'triton',
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')"
 step cuda_tests python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
     tests/test_strategies.py -k "cuda"
+step gpu_checks python3 bench/gpu_checks.py --device cuda
 step aggregate python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
 step parallel_clients python3 bench/parallel_clients.py --device cuda
 step round_vs_loop python3 bench/round_vs_loop.py --data-root "$root"
