@@ -78,7 +78,8 @@ def test_check_mode_loads_config_and_data_and_writes_nothing(tmp_path):
     assert proc.returncode == 0 and "configuration and data OK (synthetic, 30 clients)" in proc.stderr, proc.stderr
     assert not out.exists()
     proc = subprocess.run([sys.executable, "-m", "fedddp", "--check", QUICKSTART, "data.name=femnist",
-                           "data.partition=natural", f"data.root={tmp_path}"], capture_output=True, text=True,
+                           "data.partition=natural", f"data.root={tmp_path}", f"run.out_dir={out}"],
+                          capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and "FEMNIST not found" in proc.stderr
 

@@ -156,7 +156,7 @@ def cmapss_missing(tmp_path):
 
 def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
-    assert slurm.main([QUICKSTART, "--output", str(tmp_path / "logs" / "%j")]) == 2
+    assert slurm.main([QUICKSTART, f"run.out_dir={tmp_path / 'out'}", "--output", str(tmp_path / "logs" / "%j")]) == 2
     assert "sbatch not found" in capsys.readouterr().err and not (tmp_path / "logs").exists()
 
 
@@ -369,10 +369,10 @@ def local_sh(args, **env):
     (["run.rounds=0"], 2, "run.rounds: must be > 0"),
     (["data.name=cmapss", "model.name=ffnn", "data.root=/nonexistent"], 3, "CMAPSS files missing"),
 ])
-def test_local_wrapper_exits_with_fedddps_status_and_line(args, status, fragment):
+def test_local_wrapper_exits_with_fedddps_status_and_line(args, status, fragment, tmp_path):
     """Under torchrun a config or data error came back as status 1 inside torchrun's failure
     banner; launch/local.sh checks first: fedddp's one line, fedddp's status, no rank started."""
-    proc = local_sh(args)
+    proc = local_sh(args + [f"run.out_dir={tmp_path / 'out'}"])
     assert proc.returncode == status, proc.stderr[-4000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fedddp: error: ") and fragment in lines[0], proc.stderr[-4000:]
