@@ -140,10 +140,11 @@ def _check_dp(cfg, server: str) -> list[str]:
         errors.append(f"algorithm.weighting: dpfedavg bounds one client's influence by C / K with equal "
                       f"weights; set algorithm.weighting = uniform or auto, not {hp.weighting}")
     try:
-        import opacus.accountants  # noqa: F401
+        import dp_accounting  # noqa: F401
     except ImportError:
-        errors.append("algorithm.name: dpfedavg accounts its privacy with Opacus's RDP accountant, which is "
-                      "not installed: pip install 'fedddp[dp]' (or pip install opacus)")
+        errors.append("algorithm.name: dpfedavg accounts its privacy with Google's dp-accounting (RDP, "
+                      "sampling without replacement), which is not installed: pip install 'fedddp[dp]' "
+                      "(or pip install dp-accounting)")
     return errors
 
 
