@@ -102,6 +102,12 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
         if not cfg.train.momentum < 1:
             errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
     errors += _check_dp(cfg, server)
+    if cfg.algorithm.server_lr != 1.0 and not strategy.takes_server_lr:
+        takers = [n for n, (_, s) in ALGORITHMS.items() if strategies.REGISTRY[s].takes_server_lr]
+        errors.append(f"algorithm.server_lr: the {server} server rule (algorithm.name = {name}) has no "
+                      f"server step for a learning rate to scale, so it would ignore "
+                      f"{cfg.algorithm.server_lr}; leave it at 1, or use a rule that takes it "
+                      f"({', '.join(takers)}; docs/algorithms.md)")
     if local in ("scaffold", "gam_cv"):
         errors += _check_control(cfg, local)
     if local == "moon":

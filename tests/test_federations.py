@@ -183,6 +183,19 @@ def test_dp_clipping_bounds_every_clients_contribution(rule_form, num_sampled):
     assert float(state["dp_steps"]) == 1
 
 
+@pytest.mark.parametrize("server_lr", [0.5, 1.5])
+def test_dp_server_lr_scales_the_noised_step(rule_form, server_lr):
+    """algorithm.server_lr is the server's step along the noised mean update (it was ignored):
+    w + eta (sum_k s_k d_k + noise) / K, the same noise (post-processing: no privacy cost)."""
+    global_P, stacks = dp_inputs(num_sampled=9)
+    state = dpfedavg.init_state(global_P, None)
+    full_P, _, _ = dpfedavg.aggregate(global_P, stacks, state, dp_hp(dp_clip=0.5, dp_noise=1.0))
+    new_P, _, _ = dpfedavg.aggregate(global_P, stacks, state, dp_hp(dp_clip=0.5, dp_noise=1.0,
+                                                                    server_lr=server_lr))
+    twin = global_P.double() + server_lr * (full_P.double() - global_P.double())
+    torch.testing.assert_close(new_P.double(), twin, rtol=0, atol=1e-6)
+
+
 def test_dp_noise_has_std_z_c_over_k(rule_form):
     global_P, stacks = dp_inputs(num_clients=4, num_params=200_000, spread=(0.0, 0.0), num_sampled=8)
     new_P, _, _ = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, None),

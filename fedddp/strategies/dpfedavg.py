@@ -2,13 +2,15 @@
 client-level differential privacy for FedAvg.
 
   d_k = w_k - w,   s_k = min(1, C / ||d_k||)              each client's update clipped to L2 norm C
-  w  <- w + (sum_k s_k d_k + N(0, (z C)^2 I)) / K         noise on the sum, fixed denominator
+  w  <- w + eta (sum_k s_k d_k + N(0, (z C)^2 I)) / K     noise on the sum, fixed denominator
 
 K is the configured number of clients sampled per round (``num_sampled``), not the number of
 reports: with dropouts the denominator stays fixed, as the paper's estimator (qW) does, so one
 client moves the model by at most C / K. Weights are uniform (the bound needs equal weights).
 Computed as sum_k (s_k / K) w_k + (1 - sum_k s_k / K) w, so with every client reporting, none
 clipped and z = 0, the weights and the fused weighted mean are FedAvg's (uniform) bit for bit.
+eta = hp.server_lr is the server's step along the noised mean update, as for FedAvg (1, the
+paper's rule, leaves the bits as they are); it acts after the noise, so it costs no privacy.
 
 Privacy: ``epsilon`` (written every round, at ``hp.dp_delta``) is the RDP accountant's bound for
 the mechanism fedddp runs, from Google's dp-accounting (``pip install fedddp[dp]``):
@@ -31,8 +33,8 @@ the mechanism fedddp runs, from Google's dp-accounting (``pip install fedddp[dp]
     would understate epsilon: 29.0 instead of 113.1 for the quickstart's N = 30, K = 10,
     z = 1, 40 rounds at delta = 1e-5 (Opacus's Poisson figure: 16.5).
   - Steps: one per round that aggregated; a round without reports releases nothing. The
-    division by K is post-processing; dropouts (clients that do not report, independently of
-    their data) could only lower epsilon and are not credited.
+    division by K and the server step are post-processing; dropouts (clients that do not
+    report, independently of their data) could only lower epsilon and are not credited.
   - The noise and the sample are drawn from run.seed: the guarantee holds for someone who does
     not know it.
 The one-step RDP curve depends on (z, K, N) only and is computed once per run (it takes a
@@ -52,7 +54,7 @@ import math
 import torch
 
 from ..sampling import _mix
-from . import Strategy, register, weighted_mean_P
+from . import Strategy, register, server_step, weighted_mean_P
 
 _NOISE_STREAM = 0xD9_0153
 
@@ -109,6 +111,7 @@ def aggregate(global_P, stacks, state, hp):
             _mix(_NOISE_STREAM, int(stacks["noise_seed"]), int(steps)))
         noise_P = torch.randn(global_P.shape, generator=gen, device=global_P.device, dtype=global_P.dtype)
         new_global_P = new_global_P + noise_P * (hp.dp_noise * hp.dp_clip / num_sampled)
+    new_global_P = server_step(global_P, new_global_P, hp.server_lr)
     return new_global_P, {"dp_steps": steps}, {"clipped_fraction": (scale_K < 1).float().mean()}
 
 
@@ -120,4 +123,5 @@ def ledger(state, static, hp):
 
 
 DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger,
-                             needs=frozenset({"num_sampled", "num_clients", "noise_seed"}), doc=__doc__))
+                             needs=frozenset({"num_sampled", "num_clients", "noise_seed"}), doc=__doc__,
+                             takes_server_lr=True))
