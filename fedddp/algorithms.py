@@ -53,6 +53,12 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
         if not cfg.train.momentum < 1:
             errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
     errors += _check_dp(cfg, server)
+    if cfg.algorithm.server_lr != 1.0 and not strategy.takes_server_lr:
+        takers = [n for n, (_, s) in ALGORITHMS.items() if strategies.SERVER_RULES[s].takes_server_lr]
+        errors.append(f"algorithm.server_lr: the {server} server rule (algorithm.name = {name}) has no "
+                      f"server step for a learning rate to scale, so it would ignore "
+                      f"{cfg.algorithm.server_lr}; leave it at 1, or use a rule that takes it "
+                      f"({', '.join(takers)}; docs/algorithms.md)")
     if local in ("scaffold", "gam_cv"):
         errors += _check_control(cfg, local)
     if local == "moon":
@@ -90,10 +96,11 @@ def _check_dp(cfg, server: str) -> list[str]:
         errors.append(f"algorithm.weighting: dpfedavg bounds one client's influence by C / K with equal "
                       f"weights; set algorithm.weighting = uniform or auto, not {hp.weighting}")
     try:
-        import opacus.accountants  # noqa: F401
+        import dp_accounting  # noqa: F401
     except ImportError:
-        errors.append("algorithm.name: dpfedavg accounts its privacy with Opacus's RDP accountant, which is "
-                      "not installed: pip install 'fedddp[dp]' (or pip install opacus)")
+        errors.append("algorithm.name: dpfedavg accounts its privacy with Google's dp-accounting (RDP, "
+                      "sampling without replacement), which is not installed: pip install 'fedddp[dp]' "
+                      "(or pip install dp-accounting)")
     return errors
 
 

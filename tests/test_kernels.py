@@ -24,6 +24,7 @@ from fedddp.strategies import fedcong as fedcong_module
 from test_strategies import as_gather_views, hp_of, make_inputs, twin_fedcong
 
 FUSED = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9), "fedcong": hp_of(cong_alpha=0.6),
+         "fedmom_lr": hp_of(server_momentum=0.9, server_lr=0.5),
          "fedcong_low_alpha": hp_of(cong_alpha=0.3),
          "fedgma": hp_of(gma_threshold=0.6, server_lr=0.5),
          "fedgma_soft_delta": hp_of(gma_threshold=0.6, server_lr=0.5, gma_mask="soft", gma_grad="delta"),

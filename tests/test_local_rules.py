@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fedddp import checks, config, strategies
+from fedddp.registry import ALGORITHMS
 from fedddp.client import ClientContext, train_client
 from fedddp.client import optim, rules
 from fedddp.comm import Comm
@@ -445,10 +446,12 @@ def test_scaffold_server_twin(rule, divisor, server_lr):
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.6])
-def test_fednova_server_twin(momentum):
+@pytest.mark.parametrize("server_lr", [1.0, 0.5])
+def test_fednova_server_twin(momentum, server_lr):
     global_P, stacks = server_inputs()
     stacks["client_momentum"] = torch.tensor(momentum)
-    new_P, _, diag = strategies.get("fednova").aggregate(global_P, stacks, {}, config.AlgorithmConfig())
+    new_P, _, diag = strategies.get("fednova").aggregate(global_P, stacks, {},
+                                                         config.AlgorithmConfig(server_lr=server_lr))
     K, P = stacks["params_KP"].shape
     p = weights(stacks)
     a = []
@@ -461,7 +464,7 @@ def test_fednova_server_twin(momentum):
     for j in range(P):
         w = float(global_P[j])
         d = sum(p[k] * (w - float(stacks["params_KP"][k, j])) / a[k] for k in range(K))
-        assert math.isclose(float(new_P[j]), w - tau_eff * d, rel_tol=1e-5, abs_tol=1e-6)
+        assert math.isclose(float(new_P[j]), w - server_lr * tau_eff * d, rel_tol=1e-5, abs_tol=1e-6)
 
 
 def test_fedsmoo_server_twin():
@@ -495,6 +498,32 @@ def test_composition_runs_and_differs(tmp_path):
                             "algorithm.prox_mu=1.0", rounds=2)
     assert (gma - prox_gma).abs().max() > 1e-5
     checks.load(None, ["algorithm.name=feder", "algorithm.local=gam", "data.name=mnist", "model.name=cnn"])
+
+
+# the algorithms whose server rule has a step for algorithm.server_lr to scale (docs/algorithms.md)
+TAKE_SERVER_LR = {"fedavg", "fedprox", "moon", "fedsam", "fedgam", "dpfedavg", "fedmom", "fedgma",
+                  "scaffold", "fedgam_cv", "fednova"}
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_server_lr_is_taken_or_refused_never_ignored(name):
+    """Guards against algorithm.server_lr silently ignored (FedMom and most rules did): a rule
+    with a server step takes it (its twin checks how), one without refuses it in one line
+    naming the key and the rule; 1, the default, is every rule's own."""
+    overrides = [f"algorithm.name={name}", "algorithm.server_lr=0.5"]
+    overrides += ["algorithm.dp_clip=1"] if name == "dpfedavg" else []
+    overrides += ["data.name=mnist", "model.name=cnn"] if name == "feder" else []
+    server = ALGORITHMS[name][1]
+    assert strategies.get(server).takes_server_lr == (name in TAKE_SERVER_LR)
+    if name in TAKE_SERVER_LR:
+        assert checks.load(None, overrides).algorithm.server_lr == 0.5
+    else:
+        with pytest.raises(ConfigError) as info:
+            checks.load(None, overrides)
+        message = str(info.value)
+        assert "1 configuration error" in message and "algorithm.server_lr" in message
+        assert f"the {server} server rule" in message and "fedmom" in message
+    checks.load(None, overrides[:1] + overrides[2:] + ["algorithm.server_lr=1"])
 
 
 @pytest.mark.parametrize("overrides,words", [

@@ -9,6 +9,7 @@ Legend: K sampled clients, P flat parameters, L conv layers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -103,7 +104,9 @@ def run(name, global_P, stacks, hp, state=None):
 
 
 def fedavg_of(global_P, stacks, hp):
-    return run("fedavg", global_P, stacks, hp)[0]
+    """FedAvg's new model with hp's weights, at server_lr 1 whatever hp's (FedGMA's neutral
+    eta_s = 0 is FedAvg's full step)."""
+    return run("fedavg", global_P, stacks, dataclasses.replace(hp, server_lr=1.0))[0]
 
 
 def as_lists(global_P, stacks):
@@ -131,8 +134,17 @@ def assert_close(fused_P, twin_P, rtol=1e-5, atol=1e-6):
 
 # -- slow twins, from the papers' equations ---------------------------------------------------
 
-def twin_fedmom(global_P, stacks, velocity, momentum, weighting):
-    """Seed 004 eqs. 5-6: alpha = sum_k n_k/n (w_k - w); v <- delta v + alpha; w <- w + v."""
+def twin_fedavg(global_P, stacks, weighting, server_lr=1.0):
+    """McMahan et al. 2017, with FedOpt's server SGD step: w + eta (sum_k p_k w_k - w)."""
+    w, rows = as_lists(global_P, stacks)
+    p = twin_weights(stacks, weighting)
+    return [w[j] + server_lr * (sum(p[k] * rows[k][j] for k in range(len(rows))) - w[j])
+            for j in range(len(w))]
+
+
+def twin_fedmom(global_P, stacks, velocity, momentum, weighting, server_lr=1.0):
+    """Seed 004 eqs. 5-6: alpha = sum_k n_k/n (w_k - w); v <- delta v + alpha; w <- w + eta v
+    (eta = 1 in the paper; Flower's FedAvgM: w <- w - eta (momentum buffer))."""
     w, rows = as_lists(global_P, stacks)
     p = twin_weights(stacks, weighting)
     new_w, new_v = [], []
@@ -142,7 +154,7 @@ def twin_fedmom(global_P, stacks, velocity, momentum, weighting):
             delta += p[k] * (rows[k][j] - w[j])
         v = momentum * velocity[j] + delta
         new_v.append(v)
-        new_w.append(w[j] + v)
+        new_w.append(w[j] + server_lr * v)
     return new_w, new_v
 
 
@@ -237,26 +249,61 @@ def twin_feder(global_P, stacks):
     return out
 
 
+# -- FedAvg ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_clients,num_params", SIZES)
+@pytest.mark.parametrize("weighting", ["samples", "uniform"])
+@pytest.mark.parametrize("server_lr", [1.0, 0.5, 0.0, 1.7])
+def test_fedavg_matches_twin(num_clients, num_params, weighting, server_lr):
+    """Guards algorithm.server_lr for FedAvg's server rule (FedProx, MOON, FedSAM, FedGAM too):
+    it was ignored, so a server step of 0.5 took the full step."""
+    global_P, stacks = make_inputs(num_clients, num_params, num_clients)
+    new_P, _, _ = run("fedavg", global_P, stacks, hp_of(weighting=weighting, server_lr=server_lr))
+    assert_close(new_P, twin_fedavg(global_P, stacks, weighting, server_lr))
+
+
+@pytest.mark.parametrize("num_clients,num_params", SIZES)
+def test_fedavg_server_lr_one_is_the_weighted_mean_bitwise(num_clients, num_params):
+    """The default server_lr keeps FedAvg's bits: the weighted mean itself, no step formed."""
+    global_P, stacks = make_inputs(num_clients, num_params, 5)
+    hp = hp_of(server_lr=1.0)
+    mean_P = strategies.weighted_mean_P(strategies.client_weights_K(stacks, hp), stacks["params_KP"])
+    assert torch.equal(run("fedavg", global_P, stacks, hp)[0], mean_P)
+
+
 # -- FedMom ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("num_clients,num_params", SIZES)
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("weighting", ["samples", "uniform"])
-def test_fedmom_matches_twin_over_rounds(num_clients, num_params, seed, weighting):
-    hp = hp_of(server_momentum=0.9, weighting=weighting)
+@pytest.mark.parametrize("server_lr", [1.0, 0.5])
+def test_fedmom_matches_twin_over_rounds(num_clients, num_params, seed, weighting, server_lr):
+    hp = hp_of(server_momentum=0.9, weighting=weighting, server_lr=server_lr)
     global_P, stacks = make_inputs(num_clients, num_params, seed)
     state = strategies.get("fedmom").init_state(global_P, hp)
     velocity = [0.0] * num_params
     for round_idx in range(3):
         _, stacks = make_inputs(num_clients, num_params, 100 * seed + round_idx)
         new_P, state, diag = run("fedmom", global_P, stacks, hp, state)
-        twin_P, velocity = twin_fedmom(global_P, stacks, velocity, 0.9, weighting)
+        twin_P, velocity = twin_fedmom(global_P, stacks, velocity, 0.9, weighting, server_lr)
         assert_close(new_P, twin_P)
-        assert_close(new_P - state["previous_P"], velocity)
-        assert diag["velocity_norm"].item() == pytest.approx(math.sqrt(sum(v * v for v in velocity)),
+        step = [server_lr * v for v in velocity]               # w_new - w = eta v
+        assert_close(new_P - state["previous_P"], step)
+        assert diag["velocity_norm"].item() == pytest.approx(math.sqrt(sum(v * v for v in step)),
                                                              rel=1e-5, abs=1e-6)
         global_P = new_P
     assert torch.isfinite(diag["velocity_norm"])
+
+
+def test_fedmom_server_lr_zero_never_moves():
+    """eta = 0: v accumulates but the model stays (no division by eta in the kept state)."""
+    hp = hp_of(server_momentum=0.9, server_lr=0.0)
+    global_P, _ = make_inputs(3, 50, 0)
+    state = strategies.get("fedmom").init_state(global_P, hp)
+    for round_idx in range(3):
+        _, stacks = make_inputs(3, 50, round_idx)
+        new_P, state, _ = run("fedmom", global_P, stacks, hp, state)
+        assert torch.equal(new_P, global_P)
 
 
 @pytest.mark.parametrize("num_clients,num_params", SIZES)

@@ -86,17 +86,18 @@ def test_fedavg_matches_twin(interpreted, num_clients, strided):
 
 @pytest.mark.parametrize("num_clients", CLIENTS)
 @pytest.mark.parametrize("strided", [False, True])
-def test_fedmom_matches_twin_over_rounds(interpreted, num_clients, strided):
-    hp = hp_of(server_momentum=0.9)
+@pytest.mark.parametrize("server_lr", [1.0, 0.5])
+def test_fedmom_matches_twin_over_rounds(interpreted, num_clients, strided, server_lr):
+    hp = hp_of(server_momentum=0.9, server_lr=server_lr)
     global_P, _ = inputs(num_clients, 1, strided)
     state, velocity = strategies.get("fedmom").init_state(global_P, hp), [0.0] * NUM_PARAMS
     for round_idx in range(2):
         _, stacks = inputs(num_clients, 10 + round_idx, strided)
         new_P, state, diag = aggregate("fedmom", global_P, stacks, hp, state)
-        twin_P, velocity = twin_fedmom(global_P, stacks, velocity, 0.9, "samples")
+        twin_P, velocity = twin_fedmom(global_P, stacks, velocity, 0.9, "samples", server_lr)
         assert_close(new_P, twin_P)
         assert diag["velocity_norm"].item() == pytest.approx(
-            sum(v * v for v in velocity) ** 0.5, rel=1e-5, abs=1e-6)
+            server_lr * sum(v * v for v in velocity) ** 0.5, rel=1e-5, abs=1e-6)
         global_P = new_P
 
 
@@ -200,7 +201,7 @@ def test_neutral_settings_give_fedavg_bits(interpreted, name, num_clients):
     global_P, stacks = inputs(num_clients, 7, strided=True)
     state = {"previous_P": torch.randn(NUM_PARAMS)} if rule == "fedmom" else None
     new_P, _, _ = aggregate(rule, global_P, stacks, hp, state)
-    assert torch.equal(new_P, aggregate("fedavg", global_P, stacks, hp)[0])
+    assert torch.equal(new_P, aggregate("fedavg", global_P, stacks, hp_of(weighting=hp.weighting))[0])
 
 
 RULE_HPS = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9),
@@ -241,6 +242,20 @@ def test_same_bits_as_the_c_kernels(interpreted, name, aligned, monkeypatch):
     triton_P = aggregate(name, global_P, stacks, RULE_HPS[name])[0]
     monkeypatch.setenv("FEDDDP_KERNELS", "c")
     assert torch.equal(triton_P, run(name, global_P, stacks, RULE_HPS[name])[0])
+
+
+def test_fedmom_server_step_has_the_c_kernels_bits(interpreted, monkeypatch):
+    """FedMom with server_lr != 1 (w + lr (mean - w) in place of the mean) in both kernels."""
+    if kernels._library() is None:
+        pytest.skip("no working C compiler")
+    hp = hp_of(server_momentum=0.9, server_lr=0.5)
+    global_P, stacks = inputs(33, 9, strided=True)
+    state = {"previous_P": global_P + 0.01 * torch.randn(NUM_PARAMS)}
+    triton_P, _, triton_diag = aggregate("fedmom", global_P, stacks, hp, dict(state))
+    monkeypatch.setenv("FEDDDP_KERNELS", "c")
+    c_P, _, c_diag = run("fedmom", global_P, stacks, hp, dict(state))
+    assert torch.equal(triton_P, c_P)
+    torch.testing.assert_close(triton_diag["velocity_norm"], c_diag["velocity_norm"])
 
 
 # -- dispatch ----------------------------------------------------------------------------------
@@ -328,7 +343,8 @@ SM90 = {
     "_mix_kernel": (dict(rows=F32, ld=I32, K=I32, weights_RK=F32, tile_run="*i32",
                          tile_block="*i32", bounds="*i64", out=F32), dict(BLOCK=1024)),
     "_fedmom_kernel": (dict(rows=F32, ld=I32, K=I32, P=I32, p=F32, g=F32, g_prev=F32,
-                            momentum="fp32", out=F32, sq_parts="*fp64"), dict(BLOCK=1024)),
+                            momentum="fp32", lr="fp32", out=F32, sq_parts="*fp64"),
+                       dict(BLOCK=1024)),
     "_cgw_kernel": (dict(W=F32, D=F32, ldw=I32, ldd=I32, K=I32, P=I32, p=F32, x=F32, out=F32),
                     dict(BLOCK=1024)),
     "_cgw_stats_kernel": (dict(D=F32, ld=I32, K=I32, P=I32, sq_parts="*fp64", dot_parts="*fp64"),

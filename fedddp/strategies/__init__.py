@@ -37,8 +37,8 @@ tensors: scalars, which go to metrics.jsonl, and per-client rows named by their 
 ``_KL``; rows in the stacks' client-id order), which go to clients.jsonl (fedddp.logs).
 """
 
-from .base import (ALWAYS, AggregateFn, REGISTRY, SERVER_RULES, Stacks, State, Strategy, client_weights_K,  # noqa: F401
-                   column_block, get, min_agreeing, plugin_form, register, weighted_mean_P)
+from .base import (ALWAYS, AggregateFn, SERVER_RULES, Stacks, State, Strategy, client_weights_K,  # noqa: F401
+                   column_block, get, min_agreeing, plugin_form, register, server_step, weighted_mean_P)
 from . import kernels  # noqa: F401
 
 # Registration of the built-in rules: each module registers itself on import.

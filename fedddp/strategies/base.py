@@ -46,18 +46,19 @@ class Strategy:
     params: dict = dataclasses.field(default_factory=dict)
     # check_params(params) -> one error line per bad value (params with defaults filled in)
     check_params: Callable[[dict], list[str]] | None = None
+    # the rule reads hp.server_lr (it has a server step for it to scale); otherwise a value
+    # other than 1 is a configuration error rather than silently ignored
+    takes_server_lr: bool = False
 
     def needs_for(self, hp) -> frozenset[str]:
         return self.needs_fn(hp) if self.needs_fn is not None else self.needs
 
 
-# the registry's dict of server rules, under the name the rules' modules have always used
-REGISTRY = SERVER_RULES
 
 
 def register(strategy: Strategy) -> Strategy:
-    assert strategy.name not in REGISTRY, f"server rule {strategy.name} registered twice"
-    REGISTRY[strategy.name] = strategy
+    assert strategy.name not in SERVER_RULES, f"server rule {strategy.name} registered twice"
+    SERVER_RULES[strategy.name] = strategy
     return strategy
 
 
@@ -73,7 +74,7 @@ def plugin_form(strategy: Strategy, name: str) -> Strategy:
 
 
 def get(name: str) -> Strategy:
-    return REGISTRY[name]
+    return SERVER_RULES[name]
 
 
 def client_weights_K(stacks: Stacks, hp) -> torch.Tensor:
@@ -93,6 +94,14 @@ def weighted_mean_P(weights_K: torch.Tensor, rows_KP: torch.Tensor) -> torch.Ten
     if lib is None:
         return weights_K.to(rows_KP.dtype) @ rows_KP
     return kernels.mean(lib, rows_KP, weights_K)
+
+
+def server_step(global_P: torch.Tensor, target_P: torch.Tensor, server_lr: float) -> torch.Tensor:
+    """w + eta (target - w): the server's step of size eta = hp.server_lr along the rule's update
+    target - w (FedOpt's server SGD, Reddi et al. 2021). eta = 1 returns target itself, so the
+    default keeps every rule's bits; otherwise torch.lerp, as SCAFFOLD's eta_g always was."""
+    server_lr = float(server_lr)
+    return target_P if server_lr == 1.0 else torch.lerp(global_P, target_P, server_lr)
 
 
 def column_block(num_rows: int, device: torch.device) -> int:

@@ -83,4 +83,4 @@ def needs(hp) -> frozenset:
 
 
 FEDGMA = register(Strategy("fedgma", aggregate, needs=frozenset({"last_grad_KP"}), needs_fn=needs,
-                           doc=__doc__))
+                           doc=__doc__, takes_server_lr=True))

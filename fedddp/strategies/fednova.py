@@ -2,7 +2,10 @@
 
   a_k = [tau_k - rho (1 - rho^tau_k) / (1 - rho)] / (1 - rho)      (= tau_k when rho = 0)
   d_k = (w - w_k) / a_k
-  w  <- w - (sum_k p_k a_k) sum_k p_k d_k
+  w  <- w - eta (sum_k p_k a_k) sum_k p_k d_k        (eta = hp.server_lr, 1 in the paper)
+
+eta scales FedNova's server step (tau_eff = sum_k p_k a_k times the normalised mean update) as a
+server learning rate scales FedAvg's; it multiplies tau_eff in float64, exactly so at 1.
 
 tau_k is the client's reported step count (``num_steps_K``); rho is the client SGD momentum
 (train.momentum), passed by the round loop in ``stacks`` as the static scalar
@@ -30,10 +33,10 @@ def aggregate(global_P, stacks, state, hp):
     weights_K = client_weights_K(stacks, hp).to(torch.float64)
     a_K = normalisers_K(stacks["num_steps_K"], stacks["client_momentum"])
     tau_eff = (weights_K * a_K).sum()
-    coef_K = (tau_eff * weights_K / a_K).to(global_P.dtype)
+    coef_K = (float(hp.server_lr) * tau_eff * weights_K / a_K).to(global_P.dtype)
     new_global_P = global_P - coef_K @ (global_P - stacks["params_KP"])
     return new_global_P, state, {"tau_eff": tau_eff.float()}
 
 
 FEDNOVA = register(Strategy("fednova", aggregate, needs=frozenset({"num_steps_K", "client_momentum"}),
-                            doc=__doc__))
+                            doc=__doc__, takes_server_lr=True))

@@ -89,10 +89,11 @@ int fd_mix(const float *W, int64_t K, int64_t ld, const float *weights_RK, const
     return 0;
 }
 
-/* FedMom in the form w_new = mean + m (w - w_prev), where w - w_prev is the velocity of the
- * last round; sq_norm = sum_j (w_new_j - w_j)^2, the squared norm of the new velocity. */
+/* FedMom in the form w_new = mean + m (w - w_prev), where w - w_prev is the step of the last
+ * round; with a server learning rate lr != 1, w + lr (mean - w) in place of the mean (lr = 1
+ * keeps the mean's bits). sq_norm = sum_j (w_new_j - w_j)^2, the squared norm of the new step. */
 int fd_fedmom(const float *W, int64_t K, int64_t ld, int64_t P, const float *p, const float *g,
-              const float *g_prev, float momentum, float *out, double *sq_norm) {
+              const float *g_prev, float momentum, float lr, float *out, double *sq_norm) {
     colsum_t total = {{0}};
     float sq[BLOCK_COLS];
     for (int64_t col = 0; col < P; col += BLOCK_COLS) {
@@ -100,6 +101,8 @@ int fd_fedmom(const float *W, int64_t K, int64_t ld, int64_t P, const float *p, 
         float *restrict w_new = out + col;
         const float *restrict gv = g + col, *restrict gp = g_prev + col;
         weighted_rows(W + col, K, ld, p, width, w_new);
+        if (lr != 1.0f)
+            for (int64_t j = 0; j < width; j++) w_new[j] = gv[j] + lr * (w_new[j] - gv[j]);
         for (int64_t j = 0; j < width; j++) {
             w_new[j] = w_new[j] + momentum * (gv[j] - gp[j]);
             float v = w_new[j] - gv[j];

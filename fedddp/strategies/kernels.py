@@ -64,7 +64,7 @@ _F, _I64, _I32 = ctypes.c_float, ctypes.c_int64, ctypes.c_int32
 _PTR, _DPTR, _LPTR = ctypes.c_void_p, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int64)
 SIGNATURES = {
     "fd_mix": [_PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR],
-    "fd_fedmom": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F, _PTR, _DPTR],
+    "fd_fedmom": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _F, _F, _PTR, _DPTR],
     "fd_cgw": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR],
     "fd_cgw_stats": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
     "fd_fedgma": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I32, _I32, _F, _PTR, _DPTR],
@@ -473,16 +473,17 @@ def mix(lib, rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.T
     return out_P
 
 
-def fedmom(lib, rows_KP, weights_K, global_P, previous_P, momentum: float):
-    """(mean + m (w - w_prev), ||that - w||^2 as a float)."""
+def fedmom(lib, rows_KP, weights_K, global_P, previous_P, momentum: float, server_lr: float = 1.0):
+    """(mean + m (w - w_prev), ||that - w||^2 as a float); server_lr != 1: w + lr (mean - w) in
+    place of the mean."""
     if _is_triton(lib):
-        return lib.fedmom(rows_KP, weights_K, global_P, previous_P, momentum)
+        return lib.fedmom(rows_KP, weights_K, global_P, previous_P, momentum, server_lr)
     num_clients, num_params = rows_KP.shape
     weights_K, global_P, previous_P = _vector(weights_K), _vector(global_P), _vector(previous_P)
     out_P, sq_norm = torch.empty(num_params, dtype=torch.float32), ctypes.c_double()
     _check(lib.fd_fedmom(rows_KP.data_ptr(), num_clients, rows_KP.stride(0), num_params,
                          weights_K.data_ptr(), global_P.data_ptr(), previous_P.data_ptr(),
-                         momentum, out_P.data_ptr(), ctypes.byref(sq_norm)))
+                         momentum, server_lr, out_P.data_ptr(), ctypes.byref(sq_norm)))
     return out_P, sq_norm.value
 
 

@@ -11,8 +11,8 @@ at first) is client-visible: broadcast with the model every round.
 
 N is not a hyperparameter of the algorithm section: the round loop passes it in ``stacks`` as
 the static scalar ``num_clients`` (float32 0-d tensor), as it does ``conv_group_P``.
-The new model is ``lerp(w, mean_k w_k, eta_g)``, which is the same formula and returns the
-weighted mean bit for bit when eta_g = 1, so round 1 (c = c_k = 0) equals FedAvg exactly.
+The new model is ``lerp(w, mean_k w_k, eta_g)`` (strategies.server_step), the same formula,
+and the weighted mean itself when eta_g = 1, so round 1 (c = c_k = 0) equals FedAvg exactly.
 The SCAFFOLD and FedGAM-CV papers average uniformly: hp.weighting = auto resolves to uniform.
 Legend: K sampled clients, P flat parameters.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, client_weights_K, register, weighted_mean_P
+from .base import Strategy, client_weights_K, register, server_step, weighted_mean_P
 
 
 def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:
@@ -30,7 +30,7 @@ def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:
 
 def _aggregate(global_P, stacks, state, hp, divisor):
     mean_P = weighted_mean_P(client_weights_K(stacks, hp), stacks["params_KP"])
-    new_global_P = torch.lerp(global_P, mean_P, float(hp.server_lr))
+    new_global_P = server_step(global_P, mean_P, hp.server_lr)
     control_P = state["control_P"] + stacks["control_delta_KP"].sum(0) / divisor
     return new_global_P, {"control_P": control_P}, {"control_norm": torch.linalg.vector_norm(control_P)}
 
@@ -44,6 +44,8 @@ def aggregate_sampled(global_P, stacks, state, hp):
 
 
 SCAFFOLD = register(Strategy("scaffold", aggregate, needs=frozenset({"control_delta_KP", "num_clients"}),
-                             init_state=init_state, client_visible=("control_P",), doc=__doc__))
+                             init_state=init_state, client_visible=("control_P",), doc=__doc__,
+                             takes_server_lr=True))
 FEDGAM_CV = register(Strategy("fedgam_cv", aggregate_sampled, needs=frozenset({"control_delta_KP"}),
-                              init_state=init_state, client_visible=("control_P",), doc=__doc__))
+                              init_state=init_state, client_visible=("control_P",), doc=__doc__,
+                              takes_server_lr=True))

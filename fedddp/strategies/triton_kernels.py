@@ -154,13 +154,14 @@ def _mix_kernel(rows, ld, K, weights_RK, tile_run, tile_block, bounds, out, BLOC
 
 
 @triton.jit
-def _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, pid,
+def _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, lr, out, sq_parts, pid,
                   BLOCK: tl.constexpr, FULL: tl.constexpr, ALIGNED: tl.constexpr):
     cols = pid * BLOCK + tl.arange(0, BLOCK)
     inside = cols < P
     mean = _weighted_rows(rows, ld, K, p, cols, inside, BLOCK, FULL, ALIGNED)
     gv = _load(g, 0, cols, inside, FULL, False)
     gp = _load(g_prev, 0, cols, inside, FULL, False)
+    mean = tl.where(lr != 1.0, gv + lr * (mean - gv), mean)  # the server step; lr = 1: the mean
     w_new = mean + momentum * (gv - gp)
     v = w_new - gv
     _store(out, cols, w_new, inside, FULL)
@@ -168,15 +169,16 @@ def _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, pid,
 
 
 @triton.jit
-def _fedmom_kernel(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, BLOCK: tl.constexpr,
-                   ALIGNED: tl.constexpr):
-    """out = mean + m (g - g_prev); partial sum of (out - g)^2, in float64, per program."""
+def _fedmom_kernel(rows, ld, K, P, p, g, g_prev, momentum, lr, out, sq_parts,
+                   BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    """out = mean + m (g - g_prev), with g + lr (mean - g) for the mean when lr != 1; partial
+    sum of (out - g)^2, in float64, per program."""
     pid = tl.program_id(0)
     if (pid + 1) * BLOCK <= P:
-        _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, pid, BLOCK, True,
+        _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, lr, out, sq_parts, pid, BLOCK, True,
                       ALIGNED)
     else:
-        _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, out, sq_parts, pid, BLOCK, False,
+        _fedmom_block(rows, ld, K, P, p, g, g_prev, momentum, lr, out, sq_parts, pid, BLOCK, False,
                       ALIGNED)
 
 
@@ -415,15 +417,17 @@ def mix(rows_KP: torch.Tensor, weights_RK: torch.Tensor, bounds_R1: torch.Tensor
     return out_P
 
 
-def fedmom(rows_KP, weights_K, global_P, previous_P, momentum: float):
-    """(mean + m (w - w_prev), ||that - w||^2 as a 0-d float64 tensor)."""
+def fedmom(rows_KP, weights_K, global_P, previous_P, momentum: float, server_lr: float = 1.0):
+    """(mean + m (w - w_prev), ||that - w||^2 as a 0-d float64 tensor); server_lr != 1:
+    w + lr (mean - w) in place of the mean."""
     num_clients, num_params = rows_KP.shape
     device = rows_KP.device
     out_P = torch.empty(num_params, dtype=torch.float32, device=device)
     sq_G = torch.empty(_programs(num_params), dtype=torch.float64, device=device)
     _fedmom_kernel[(len(sq_G),)](rows_KP, rows_KP.stride(0), num_clients, num_params,
                                  _vector(weights_K, device), _vector(global_P, device),
-                                 _vector(previous_P, device), float(momentum), out_P, sq_G,
+                                 _vector(previous_P, device), float(momentum), float(server_lr),
+                                 out_P, sq_G,
                                  BLOCK=BLOCK, ALIGNED=_aligned(rows_KP), **OPTIONS)
     return out_P, sq_G.sum()
 
