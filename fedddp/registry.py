@@ -14,45 +14,33 @@ SERVER_RULES: dict[str, object] = {}
 # name -> LocalRule subclass (fedddp.client.rules): how a client trains
 LOCAL_RULES: dict[str, type] = {}
 
-# name -> (local rule in fedddp.client, server rule in fedddp.strategies)
-ALGORITHMS: dict[str, tuple[str, str]] = {
-    "fedavg": ("plain", "fedavg"),
-    "fedmom": ("plain", "fedmom"),
-    "fedcong": ("plain", "fedcong"),
-    "fedgma": ("plain", "fedgma"),
-    "cgw": ("plain", "cgw"),
-    "feder": ("plain", "feder"),
-    "fedprox": ("prox", "fedavg"),
-    "scaffold": ("scaffold", "scaffold"),
-    "fednova": ("plain", "fednova"),
-    "moon": ("moon", "fedavg"),
-    "fedsam": ("sam", "fedavg"),
-    "fedgam": ("gam", "fedavg"),
-    "fedgam_cv": ("gam_cv", "fedgam_cv"),
-    "fedsmoo": ("smoo", "fedsmoo"),
-    "dpfedavg": ("plain", "dpfedavg"),
+# algorithm.name -> (local rule in fedddp.client, server rule in fedddp.strategies, the client
+# weights p_k its paper or reference code averages with: samples n_k / n over the sampled clients,
+# or uniform 1/K; algorithm.weighting = auto takes it, sources in docs/algorithms.md). One line
+# an algorithm: a new one is one line here.
+BUILT_IN: dict[str, tuple[str, str, str]] = {
+    "fedavg": ("plain", "fedavg", "samples"),            # McMahan et al. 2017, n_k / n
+    "fedmom": ("plain", "fedmom", "samples"),            # seed 004, eq. 5
+    "fedcong": ("plain", "fedcong", "samples"),          # seed 004, eq. 1 (eq. 3 is silent within a group)
+    "fedgma": ("plain", "fedgma", "samples"),            # seed 001, sec. 3: by the clients' numbers of examples
+    "cgw": ("plain", "cgw", "samples"),                  # seed 000, eq. 8: corrects W_FedAvg
+    "feder": ("plain", "feder", "uniform"),              # seed 003, Alg. 4: its own per-layer weights, 1/K elsewhere
+    "fedprox": ("prox", "fedavg", "samples"),            # FedProx's code by sample count (its Alg. 2 samples by p_k)
+    "scaffold": ("scaffold", "scaffold", "uniform"),     # SCAFFOLD Alg. 1: 1/|S|
+    "fednova": ("plain", "fednova", "samples"),          # FedNova: p_i = n_i / n
+    "moon": ("moon", "fedavg", "samples"),               # MOON Alg. 1 and code: |D_i| / |D| over the round's clients
+    "fedsam": ("sam", "fedavg", "uniform"),              # FL-Simulator's FedSAM (seed 002's baselines): mean
+    "fedgam": ("gam", "fedavg", "uniform"),              # seed 002, Alg. 1 line 12
+    "fedgam_cv": ("gam_cv", "fedgam_cv", "uniform"),     # seed 002, Alg. 2 line 15
+    "fedsmoo": ("smoo", "fedsmoo", "uniform"),           # FL-Simulator's FedSMOO: mean
+    "dpfedavg": ("plain", "dpfedavg", "uniform"),        # McMahan et al. 2018, w_k = 1: one client moves w by <= C / K
+    "fedadam": ("plain", "fedadam", "samples"),          # Reddi et al. 2021, Alg. 2: FedAvg's weighted update
 }
 
-
-# name -> the client weights p_k its paper or reference code averages with (algorithm.weighting =
-# auto; the sources are in docs/algorithms.md). samples: n_k / n over the sampled clients; uniform: 1/K.
-WEIGHTING: dict[str, str] = {
-    "fedavg": "samples",     # McMahan et al. 2017, n_k / n
-    "fedmom": "samples",     # seed 004, eq. 5
-    "fedcong": "samples",    # seed 004, eq. 1 (eq. 3 is silent within a group)
-    "fedgma": "samples",     # seed 001, sec. 3: weighted by the clients' numbers of examples
-    "cgw": "samples",        # seed 000, eq. 8: corrects W_FedAvg
-    "feder": "uniform",      # seed 003, Alg. 4: its own per-layer weights, 1/K where it has none
-    "fedprox": "samples",    # FedProx's code weights by sample count (its Alg. 2 samples by p_k instead)
-    "scaffold": "uniform",   # SCAFFOLD Alg. 1: 1/|S|
-    "fednova": "samples",    # FedNova: p_i = n_i / n
-    "moon": "samples",       # MOON Alg. 1 and code: |D_i| / |D| over the round's clients
-    "fedsam": "uniform",     # FL-Simulator's FedSAM (the code seed 002's baselines follow): mean
-    "fedgam": "uniform",     # seed 002, Alg. 1 line 12
-    "fedgam_cv": "uniform",  # seed 002, Alg. 2 line 15
-    "fedsmoo": "uniform",    # FL-Simulator's FedSMOO: mean
-    "dpfedavg": "uniform",   # McMahan et al. 2018 with w_k = 1: one client's influence is at most C / K
-}
+# name -> (local rule, server rule) and name -> weighting, of the built-ins and the plugins a
+# config registered (checks.register_plugins)
+ALGORITHMS: dict[str, tuple[str, str]] = {name: (local, server) for name, (local, server, _) in BUILT_IN.items()}
+WEIGHTING: dict[str, str] = {name: weighting for name, (_, _, weighting) in BUILT_IN.items()}
 
 
 def weighting_of(hp) -> str:

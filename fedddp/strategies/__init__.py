@@ -46,3 +46,4 @@ from . import fedavg  # noqa: F401
 from . import fedmom, fedcong, fedgma, cgw, feder  # noqa: F401
 from . import scaffold, fednova, fedsmoo  # noqa: F401
 from . import dpfedavg  # noqa: F401
+from . import fedadam  # noqa: F401

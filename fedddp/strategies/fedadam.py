@@ -1,0 +1,45 @@
+"""FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization", Algorithm 2): Adam on the server,
+with the clients' weighted mean update as its pseudo-gradient.
+
+  delta = sum_k p_k (w_k - w)                       FedAvg's update (p_k as algorithm.weighting)
+  m <- beta1 m + (1 - beta1) delta
+  v <- beta2 v + (1 - beta2) delta^2
+  w <- w + eta m / (sqrt(v) + tau)
+
+As in the paper's algorithm, without Adam's bias correction (Flower's FedAdam divides eta by the
+correction terms: its first rounds take larger steps). The rule's own parameters, in
+[algorithm.params]: eta (the server's step size, 1e-2), beta1 (0.9), beta2 (0.99), tau (1e-3,
+the paper's degree of adaptivity). algorithm.server_lr is not read (eta is the step size).
+State: m_P, v_P (zeros at round 1), checkpointed with the run. Diagnostics: update_norm =
+||w_new - w||. Legend: K sampled clients that reported, P flat parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Strategy, client_weights_K, register, weighted_mean_P
+
+
+def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:
+    return {"m_P": torch.zeros_like(global_P), "v_P": torch.zeros_like(global_P)}
+
+
+def aggregate(global_P, stacks, state, hp):
+    p = hp.params
+    delta_P = weighted_mean_P(client_weights_K(stacks, hp), stacks["params_KP"]) - global_P
+    m_P = state["m_P"] * p["beta1"] + delta_P * (1 - p["beta1"])
+    v_P = state["v_P"] * p["beta2"] + delta_P.square() * (1 - p["beta2"])
+    step_P = m_P / (v_P.sqrt() + p["tau"]) * p["eta"]
+    return global_P + step_P, {"m_P": m_P, "v_P": v_P}, {"update_norm": torch.linalg.vector_norm(step_P)}
+
+
+def check_params(params: dict) -> list[str]:
+    errors = [f"algorithm.params.{k}: must be in [0, 1), got {params[k]}" for k in ("beta1", "beta2")
+              if not 0.0 <= params[k] < 1.0]
+    errors += [f"algorithm.params.{k}: must be > 0, got {params[k]}" for k in ("eta", "tau") if not params[k] > 0]
+    return errors
+
+
+FEDADAM = register(Strategy("fedadam", aggregate, init_state=init_state, doc=__doc__, check_params=check_params,
+                            params={"eta": 1e-2, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3}))
