@@ -2,16 +2,21 @@
 # Every figure of BENCHMARKS.md that needs a GPU, in one run on a CUDA machine, so that a short
 # lease of one is spent measuring: the CUDA-only tests, the server rules' throughput (Triton
 # kernels beside the torch ops, ResNet-18, K = 32 and 64), clients side by side (CNN, FFNN,
-# ResNet-18), fedddp's round against a bare PyTorch loop, and configs/mnist_cnn.toml with 100
-# clients at B = 1 and B = 100. Each step's output goes to $OUT/NAME.log (default gpu_out/);
-# a failing step is reported and the next one runs. Seven files in all, within what a lease
-# returns from $OUT.
+# ResNet-18), fedddp's round against a bare PyTorch loop, configs/mnist_cnn.toml with 100
+# clients at B = 1 and B = 100, and pfl-research's CIFAR10 benchmark (and FLUTE's FEMNIST shape)
+# run by fedddp at B = 1 and B = 50 and by pfl, alternating (bench/peers/pfl_cifar10.py, 30
+# rounds x 2 repeats, about 2 minutes). Each step's output goes to $OUT/NAME.log (default
+# gpu_out/); a failing step is reported and the next one runs. Eight files in all, the most a
+# lease returns from $OUT.
 #
 #   bash bench/gpu_session.sh [DATA_ROOT [WHEELS]]
 #
-# DATA_ROOT holds MNIST/raw/ (the t10k files are enough); default ../shared/data. WHEELS: a
-# folder of wheels for what the machine lacks (tensorly, submitit, adamp, rmsgd), installed into
-# a scratch site folder first; default .gpu/whl when it exists. To take both along to a machine
+# DATA_ROOT holds MNIST/raw/ (the t10k files are enough); default ../shared/data; with
+# cifar-10-batches-py/ in it the peer step reads real CIFAR10, else it draws synthetic arrays of
+# the same shapes (its log says which). WHEELS: a folder of wheels for what the machine lacks
+# (tensorly, submitit, adamp, rmsgd; for the peer step pfl 0.6.0 and its dp-accounting, dm-tree,
+# multiprocess, dill, prv-accountant), installed into a scratch site folder first; default
+# .gpu/whl when it exists. Without pfl the peer step runs fedddp's side and says so. To take both along to a machine
 # that gets only the checkout: mkdir -p .gpu/whl .gpu/data/MNIST/raw, copy the MNIST files and
 # the wheels there, add /.gpu/ to .git/info/exclude and carry .gpu.
 set -uo pipefail
@@ -53,3 +58,5 @@ for B in 1 100; do  # the runs' folders stay out of $OUT (a lease returns few fi
         "run.parallel_clients=$B" "run.out_dir=$runs" run.overwrite=true
     cat "$runs/metrics.jsonl" >>"$out/mnist_cnn_B$B.log" 2>/dev/null
 done
+step peers python3 bench/peers/pfl_cifar10.py --device cuda --rounds 30 --reps 2 --parallel-clients 1,50 \
+    --data-root "$root"
