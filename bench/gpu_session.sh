@@ -33,30 +33,41 @@ if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-step() {  # step NAME COMMAND...: run it, keep its output, say how it ended
-    local name=$1 start=$SECONDS
-    shift
+# STEPS: the steps to run, in this order (default all); each has a time limit, and a step whose
+# limit would end past DEADLINE seconds (default 560) is skipped and said so, so one call of a
+# 10-minute device lease comes back with what it measured.
+steps=${STEPS:-"device cuda_tests gpu_checks aggregate parallel_clients round_vs_loop mnist_cnn peers"}
+deadline=${DEADLINE:-560}
+
+step() {  # step NAME LIMIT COMMAND...: run it if asked for and in time, keep its output, say how it ended
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    case " $steps " in *" $name "*) ;; *) return ;; esac
+    if [ $((SECONDS + limit)) -gt "$deadline" ]; then
+        echo "== $name: skipped (its ${limit} s would end past ${deadline} s)"
+        return
+    fi
     echo "== $name: $*"
-    "$@" >"$out/$name.log" 2>&1
+    timeout "$limit" "$@" >>"$out/$name.log" 2>&1
     local rc=$?
     tail -n 25 "$out/$name.log"
     echo "== $name: exit $rc in $((SECONDS - start)) s"
 }
 
-step device python3 -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__, \
+step device 30 python3 -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')"
-step cuda_tests python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
     tests/test_strategies.py -k "cuda"
-step gpu_checks python3 bench/gpu_checks.py --device cuda
-step aggregate python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
-step parallel_clients python3 bench/parallel_clients.py --device cuda
-step round_vs_loop python3 bench/round_vs_loop.py --data-root "$root"
+step gpu_checks 120 python3 bench/gpu_checks.py --device cuda
+step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
+step parallel_clients 180 python3 bench/parallel_clients.py --device cuda
+step round_vs_loop 120 python3 bench/round_vs_loop.py --data-root "$root"
 for B in 1 100; do  # the runs' folders stay out of $OUT (a lease returns few files); their metrics join the log
     runs=/tmp/fedddp_gpu_runs/mnist_cnn_B$B
-    step "mnist_cnn_B$B" python3 -m fedddp configs/mnist_cnn.toml "data.root=$root" run.device=cuda \
+    step mnist_cnn 90 python3 -m fedddp configs/mnist_cnn.toml "data.root=$root" run.device=cuda \
         data.num_clients=100 run.clients_per_round=100 run.rounds=3 run.ckpt_every=0 \
         "run.parallel_clients=$B" "run.out_dir=$runs" run.overwrite=true
-    cat "$runs/metrics.jsonl" >>"$out/mnist_cnn_B$B.log" 2>/dev/null
+    cat "$runs/metrics.jsonl" >>"$out/mnist_cnn.log" 2>/dev/null
 done
-step peers python3 bench/peers/pfl_cifar10.py --device cuda --rounds 30 --reps 2 --parallel-clients 1,50 \
+step peers 200 python3 bench/peers/pfl_cifar10.py --device cuda --rounds 30 --reps 2 --parallel-clients 1,50 \
     --data-root "$root"
