@@ -46,7 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import fedddp  # noqa: E402
-from fedddp import config as config_module, data as data_module  # noqa: E402
+from fedddp import checks, data as data_module  # noqa: E402
 from fedddp.algorithms import build_model  # noqa: E402
 
 
@@ -217,7 +217,7 @@ def main() -> None:
         stand_in = None if mnist else write_stand_in(folder, *stand_in_size)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         cfg_tables = tables(args, stand_in, device)
-        cfg = config_module.load(cfg_tables)
+        cfg = checks.load(cfg_tables)
         # the clients' tensors exactly as fedddp makes them, moved to the device once
         built = data_module.build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
         clients = [(built.train[c].x.to(device), built.train[c].y.to(device)) for c in range(cfg.data.num_clients)]
