@@ -192,8 +192,8 @@ class AlgorithmConfig:
     server_lr: float = opt(1.0, "Server learning rate eta: w <- w + eta (aggregate - w) for FedAvg's server "
                                 "rule (fedavg, fedprox, moon, fedsam, fedgam) and DP-FedAvg, SCAFFOLD's "
                                 "and FedGAM-CV's eta_g, FedMom's w <- w + eta v, FedNova's step, FedGMA's "
-                                "eta_s; rules without a server step (fedcong, cgw, feder, fedsmoo) refuse "
-                                "a value other than 1 (docs/algorithms.md).")
+                                "eta_s; rules without a server step (fedcong, cgw, feder, fedsmoo) and fedadam "
+                                "(its step is algorithm.params.eta) refuse a value other than 1 (docs/algorithms.md).")
     server_momentum: float = opt(0.9, "FedMom server momentum delta_m (0 gives FedAvg).")
     cong_alpha: float = opt(0.7, "FedCong: fraction of clients that must agree in sign.")
     gma_threshold: float = opt(0.8, "FedGMA: agreement threshold p of the AND-mask.")

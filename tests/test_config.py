@@ -104,7 +104,7 @@ def test_cuda_without_a_gpu_is_a_config_error(tmp_path):
 PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples", "fedgma": "samples",
                    "cgw": "samples", "feder": "uniform", "fedprox": "samples", "scaffold": "uniform",
                    "fednova": "samples", "moon": "samples", "fedsam": "uniform", "fedgam": "uniform",
-                   "fedgam_cv": "uniform", "fedsmoo": "uniform", "dpfedavg": "uniform"}
+                   "fedgam_cv": "uniform", "fedsmoo": "uniform", "dpfedavg": "uniform", "fedadam": "samples"}
 
 
 def test_every_algorithm_has_a_paper_weighting():
