@@ -119,6 +119,13 @@ def _ascent(grads, rho: float, eps: float) -> list[torch.Tensor]:
 
 
 class LocalRule:
+    """How a client turns its minibatches into gradients: the plain rule (the task's loss,
+    backward), and the base class of every other. Hooks: ``begin(model, ctx)`` once before the
+    first step, ``gradient(model, x, y, ctx) -> loss`` each step (fill every parameter's .grad; the
+    configured optimizer then steps), ``end(model, ctx, num_steps, lr, out)`` once after the last
+    (update ``ctx.state``, write the report fields it produces into ``out``). A rule holds nothing
+    across clients: what lasts lives in ``ctx.state`` (named in ``client_state``). docs/extending.md."""
+
     name = "plain"
     # persistent per-client state this rule keeps (names of tensors in ctx.state)
     client_state: tuple[str, ...] = ()

@@ -27,6 +27,14 @@ def _no_state(global_P: torch.Tensor, hp) -> State:
 
 @dataclass(frozen=True)
 class Strategy:
+    """A server rule: ``aggregate(global_P, stacks, state, hp) -> (new_global_P, new_state,
+    diagnostics)`` once a round on rank 0, with what it declares it needs. ``stacks`` holds the
+    report fields named in ``needs`` (beyond params_KP, num_samples_K and train_loss_K, which every
+    rule gets), ``state`` the dict of tensors ``init_state(global_P, hp)`` made at round 1 (then
+    what the last call returned; checkpointed), ``hp`` the run's AlgorithmConfig (its own values:
+    ``hp.params``, declared with defaults in ``params``). Fields and shapes: the package docstring
+    (fedddp/strategies/__init__.py); a worked rule: docs/extending.md."""
+
     name: str
     aggregate: AggregateFn
     needs: frozenset[str] = frozenset()
