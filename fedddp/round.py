@@ -100,27 +100,33 @@ class ReportLayout:
 
 
 class Progress:
-    """One line on rank 0: round, test metric (accuracy or MAE), seconds per round, ETA.
-    Rewritten in place on a terminal; on a log file one line per evaluation."""
+    """One line on rank 0: round, test metric (accuracy or MAE), train loss, the last round's
+    seconds and the steady mean (rounds after this process's first, which pays for warm-up:
+    kernel builds, Triton compiles, first-touch allocations), ETA from the steady mean. Rewritten
+    in place on a terminal; on a log file one line per evaluation."""
 
     def __init__(self, total: int, enabled: bool, metric_key: str = "test_accuracy"):
         self.total, self.enabled = total, enabled
         self.metric_key, self.metric_label = metric_key, metric_key.removeprefix("test_")[:3]
         self.tty = sys.stderr.isatty()
-        self.start, self.first = time.perf_counter(), None
+        self.last_end, self.seconds = time.perf_counter(), []
 
     def update(self, round_idx: int, start_round: int, metrics: dict) -> None:
+        now = time.perf_counter()
+        self.seconds.append(now - self.last_end)
+        self.last_end = now
         if not self.enabled:
             return
-        done = round_idx - start_round + 1
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.total - round_idx)
+        steady = self.seconds[1:] or self.seconds  # the first round alone: its own time
+        mean = sum(steady) / len(steady)
+        eta = mean * (self.total - round_idx)
         acc = metrics.get(self.metric_key)
         acc_text = f"{self.metric_label} {acc:.4f}" if acc is not None else f"{self.metric_label}   -   "
         loss = metrics["train_loss"]
         loss_text = f"{loss:.4f}" if loss is not None else "  -   (no reports)"
         line = (f"round {round_idx}/{self.total} | {acc_text} | train loss {loss_text}"
-                f" | {elapsed / done:.2f} s/round | ETA {int(eta) // 60}:{int(eta) % 60:02d}")
+                f" | {self.seconds[-1]:.2f} s this round, {mean:.2f} s/round steady"
+                f" | ETA {int(eta) // 60}:{int(eta) % 60:02d}")
         if self.tty:
             sys.stderr.write("\r" + line + ("\n" if round_idx == self.total else ""))
         elif acc is not None or round_idx == self.total:
