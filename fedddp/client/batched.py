@@ -437,6 +437,39 @@ class BatchedTrainer:
             new_T[i_var] = var_LC * factor + new_T[i_var] * (1 - factor)
         return new_T
 
+    def _start_stacks(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, dict]:
+        """The group's per-client tensors as stacks ([B, ...]) and the ones every client shares,
+        after the rule's begin hooks: parameters and buffers from global_P, the rule's scratch
+        (FedProx's anchor, SCAFFOLD's correction, FedSMOO's duals), MOON's models."""
+        # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
+        # the order of ``live``); one every client shares (FedProx's anchor: the global model)
+        # stays in ``shared`` and broadcasts.
+        stacks, shared = {}, {}
+        for key in ("anchor", "correction", "mu", "s"):
+            if key in group[0][0].scratch:
+                views_BT = [ctx.scratch[key] for ctx, *_ in group]
+                if all(v.data_ptr() == w.data_ptr() for views_T in views_BT for v, w in zip(views_T, views_BT[0])):
+                    shared[key] = views_BT[0]
+                else:
+                    stacks[key] = [torch.stack(views_B) for views_B in zip(*views_BT)]
+        stacks["params"] = self._stacked(global_P, self.param_entries, B)
+        # each client's running statistics start from the global vector's, integers rounded as
+        # FlatLayout.unflatten_into rounds them for the sequential path
+        stacks["buffers"] = self._stacked(global_P, self.buffer_entries, B)
+        if self.rule.name == "moon":
+            # the global model (shared) and each client's previous one (its own, else the global:
+            # has_prev 0 leaves it out of the loss)
+            shared["global"] = [global_P[e.offset:e.offset + e.numel].view(e.shape) for e in self.param_entries]
+            shared["global_buffers"] = [t[0] for t in stacks["buffers"]]
+            prev_BP = torch.stack([ctx.state["prev_P"].to(device) if "prev_P" in ctx.state else global_P
+                                   for ctx, *_ in group])
+            stacks["prev"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
+                              for e in self.param_entries]
+            stacks["prev_buffers"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
+                                      for e in self.buffer_entries]
+            stacks["has_prev"] = [torch.tensor([float("prev_P" in ctx.state) for ctx, *_ in group], device=device)]
+        return stacks, shared
+
     def train_group(self, group: list[tuple[ClientContext, object, int, int, dict]]) -> None:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
         client's report views as in ``train_client``) side by side and write their reports."""
@@ -468,33 +501,7 @@ class BatchedTrainer:
                 ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task, seed)
             if rule.name != "moon":  # MOON's begin makes frozen models; here its stacks below
                 rule.begin(self.model, ctx)
-        # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
-        # the order of ``live``); one every client shares (FedProx's anchor: the global model)
-        # stays in ``shared`` and broadcasts.
-        stacks, shared = {}, {}
-        for key in ("anchor", "correction", "mu", "s"):
-            if key in ctx0.scratch:
-                views_BT = [ctx.scratch[key] for ctx, *_ in group]
-                if all(v.data_ptr() == w.data_ptr() for views_T in views_BT for v, w in zip(views_T, views_BT[0])):
-                    shared[key] = views_BT[0]
-                else:
-                    stacks[key] = [torch.stack(views_B) for views_B in zip(*views_BT)]
-        stacks["params"] = self._stacked(global_P, self.param_entries, B)
-        # each client's running statistics start from the global vector's, integers rounded as
-        # FlatLayout.unflatten_into rounds them for the sequential path
-        stacks["buffers"] = self._stacked(global_P, self.buffer_entries, B)
-        if rule.name == "moon":
-            # the global model (shared) and each client's previous one (its own, else the global:
-            # has_prev 0 leaves it out of the loss)
-            shared["global"] = [global_P[e.offset:e.offset + e.numel].view(e.shape) for e in self.param_entries]
-            shared["global_buffers"] = [t[0] for t in stacks["buffers"]]
-            prev_BP = torch.stack([ctx.state["prev_P"].to(device) if "prev_P" in ctx.state else global_P
-                                   for ctx, *_ in group])
-            stacks["prev"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
-                              for e in self.param_entries]
-            stacks["prev_buffers"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
-                                      for e in self.buffer_entries]
-            stacks["has_prev"] = [torch.tensor([float("prev_P" in ctx.state) for ctx, *_ in group], device=device)]
+        stacks, shared = self._start_stacks(group, global_P, B, device)
         optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
