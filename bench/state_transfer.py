@@ -58,7 +58,7 @@ def main() -> None:
         seconds, nbytes, moved = [], [], []
         for round_idx in range(1, args.rounds + 1):
             sampled = sample_clients(cfg.data.num_clients, cfg.num_sampled(), cfg.run.seed, round_idx)
-            reporting = [c for c in sampled if not participation.drops_out(cfg, round_idx, c)]
+            reporting = [c for c in sampled if not participation.drops_out(cfg.run.dropout, cfg.run.seed, round_idx, c)]
             per_rank = assign_clients(reporting, cost_N.__getitem__, comm.world_size, True)
             moves = travelling(reporting, per_rank, comm.world_size)
             comm.barrier()

@@ -27,22 +27,22 @@ _WORK_STREAM = 0x3057
 _DROP_STREAM = 0xD809
 
 
-def local_work(cfg, round_idx: int, client_id: int) -> int:
-    """The client's local epochs (or steps, when train.local_steps > 0) this round."""
-    tc = cfg.train
+def local_work(tc, seed: int, round_idx: int, client_id: int) -> int:
+    """The client's local epochs (or steps, when train.local_steps > 0) this round; ``tc`` is the
+    TrainConfig, ``seed`` run.seed."""
     most = tc.local_steps if tc.local_steps > 0 else tc.local_epochs
     if tc.local_work_min <= 0 or tc.local_work_min >= most:
         return most
-    gen = torch.Generator().manual_seed(_mix(_WORK_STREAM, cfg.run.seed, round_idx, client_id))
+    gen = torch.Generator().manual_seed(_mix(_WORK_STREAM, seed, round_idx, client_id))
     return int(torch.randint(tc.local_work_min, most + 1, (1,), generator=gen).item())
 
 
-def drops_out(cfg, round_idx: int, client_id: int) -> bool:
-    """Whether the client fails to report this round (probability run.dropout)."""
-    p = cfg.run.dropout
+def drops_out(p: float, seed: int, round_idx: int, client_id: int) -> bool:
+    """Whether the client fails to report this round (probability ``p``, run.dropout; ``seed``
+    run.seed)."""
     if p <= 0.0:
         return False
-    gen = torch.Generator().manual_seed(_mix(_DROP_STREAM, cfg.run.seed, round_idx, client_id))
+    gen = torch.Generator().manual_seed(_mix(_DROP_STREAM, seed, round_idx, client_id))
     return bool(torch.rand((), generator=gen, dtype=torch.float64).item() < p)
 
 

@@ -273,7 +273,7 @@ def plan_round(cfg: config.Config, round_idx: int, num_samples: list[int], cost_
     """sample -> drop -> assign: the round's clients, who trains them and their report rows."""
     rc = cfg.run
     sampled = sample_clients(cfg.data.num_clients, cfg.num_sampled(), rc.seed, round_idx)
-    reporting = [c for c in sampled if not participation.drops_out(cfg, round_idx, c)]
+    reporting = [c for c in sampled if not participation.drops_out(rc.dropout, rc.seed, round_idx, c)]
     if rc.parallel_clients > 1:  # groups trained side by side, cut whatever the world size
         per_rank, groups_R = assign_groups(reporting, cost_K.__getitem__, world_size, balanced, rc.parallel_clients)
         groups = groups_R[rank]
@@ -282,7 +282,7 @@ def plan_round(cfg: config.Config, round_idx: int, num_samples: list[int], cost_
         groups = [[c] for c in per_rank[rank]]
     rows_per_rank, row_order = layout_rows(reporting, world_size, per_rank)
     # every reporting client's work and steps, alike on every rank, so all agree on the stragglers
-    work_of = {c: participation.local_work(cfg, round_idx, c) for c in reporting}
+    work_of = {c: participation.local_work(cfg.train, rc.seed, round_idx, c) for c in reporting}
     steps_of = {c: planned_steps(num_samples[c], cfg.train, work_of[c]) for c in reporting}
     return RoundPlan(round_idx, sampled, reporting, per_rank, groups, rows_per_rank, row_order, work_of, steps_of,
                      rc.deadline_steps)
@@ -423,7 +423,7 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
     model = build_model(cfg, data.input_shape, data.num_classes, data.task).to(device)
-    check_one_sample_batches(model, data.input_shape, data.num_samples, cfg)
+    check_one_sample_batches(model, data.input_shape, data.num_samples, cfg.train.batch_size, cfg.model.name)
     task = tasks.get(data.task)
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()

@@ -42,17 +42,18 @@ def run_in_process(out, *overrides: str, rounds: int = 3) -> torch.Tensor:
 
 def test_draws_depend_only_on_seed_round_and_client():
     cfg = checks.load(None, ["train.local_epochs=5", "train.local_work_min=2", "run.dropout=0.3"])
-    work = [participation.local_work(cfg, r, c) for r in range(1, 21) for c in range(30)]
+    work = [participation.local_work(cfg.train, cfg.run.seed, r, c) for r in range(1, 21) for c in range(30)]
     assert set(work) == {2, 3, 4, 5}  # the whole stated range, nothing outside it
-    again = [participation.local_work(cfg, r, c) for r in range(1, 21) for c in range(30)]
+    again = [participation.local_work(cfg.train, cfg.run.seed, r, c) for r in range(1, 21) for c in range(30)]
     assert work == again
-    drops = [participation.drops_out(cfg, r, c) for r in range(1, 101) for c in range(30)]
+    drops = [participation.drops_out(cfg.run.dropout, cfg.run.seed, r, c) for r in range(1, 101) for c in range(30)]
     assert abs(sum(drops) / len(drops) - 0.3) < 0.03
     # another seed draws otherwise; work and dropouts are separate streams
     other = checks.load(None, ["train.local_epochs=5", "train.local_work_min=2", "run.seed=1"])
-    assert work != [participation.local_work(other, r, c) for r in range(1, 21) for c in range(30)]
+    assert work != [participation.local_work(other.train, other.run.seed, r, c)
+                    for r in range(1, 21) for c in range(30)]
     equal = checks.load(None, ["train.local_steps=7"])
-    assert {participation.local_work(equal, r, c) for r in range(1, 5) for c in range(9)} == {7}
+    assert {participation.local_work(equal.train, equal.run.seed, r, c) for r in range(1, 5) for c in range(9)} == {7}
 
 
 def test_deadline_keeps_the_rows_within_it():
@@ -82,7 +83,8 @@ def test_drawn_work_and_dropouts_are_world_size_invariant(tmp_path, name):
     # clients really dropped, at random and past the deadline, yet every round had reports
     assert all(0 < m["num_reports"] < 10 for m in lines_1)
     cfg = checks.load(QUICKSTART, args)
-    at_random = {(m["round"], c) for m in lines_1 for c in m["dropped"] if participation.drops_out(cfg, m["round"], c)}
+    at_random = {(m["round"], c) for m in lines_1 for c in m["dropped"]
+                 if participation.drops_out(cfg.run.dropout, cfg.run.seed, m["round"], c)}
     all_dropped = {(m["round"], c) for m in lines_1 for c in m["dropped"]}
     assert at_random and all_dropped - at_random
 

@@ -62,15 +62,14 @@ def _last_batch(n: int, batch_size: int) -> int:
     return n % b or b
 
 
-def check_one_sample_batches(model, input_shape, num_samples_K: list[int], cfg) -> None:
+def check_one_sample_batches(model, input_shape, num_samples_K: list[int], size: int, model_name: str) -> None:
     """Refuse, before the first round, a batch size that leaves some client a last batch of one
     sample when the model has a BatchNorm layer that would then see one value per channel in
     training: torch raises there, mid-run, after rounds of work. The layers are probed with one
     sample through a copy of the model (a BatchNorm2d with more than one position per channel
-    normalises a single sample, so it is not refused)."""
+    normalises a single sample, so it is not refused). ``size``: train.batch_size."""
     if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         return
-    size = cfg.train.batch_size
     ones = [c for c, n in enumerate(num_samples_K) if _last_batch(n, size) == 1]
     if not ones:
         return
@@ -89,7 +88,7 @@ def check_one_sample_batches(model, input_shape, num_samples_K: list[int], cfg) 
         "drop clients of one sample from the data"
     shown = ", ".join(f"{c} ({num_samples_K[c]} samples)" for c in ones[:3]) + (" ..." if len(ones) > 3 else "")
     raise ConfigError(f"train.batch_size: {size} leaves client(s) {shown} a last batch of one sample, and "
-                      f"model.name = {cfg.model.name} has BatchNorm, which cannot normalise one value per "
+                      f"model.name = {model_name} has BatchNorm, which cannot normalise one value per "
                       f"channel in training; {fix}")
 
 
