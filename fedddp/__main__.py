@@ -11,7 +11,7 @@ step too), then says OK or exits with the status the run would: the launchers ru
 before they start any rank.
 
 Exit status: 0 done; 2 bad configuration; 3 data missing, unreadable or not finite; 4 the model
-diverged; 5 disk full; 6 a rank stopped answering for run.collective_timeout_s (README.md). A user's mistake is one line on stderr, never a
+diverged; 5 disk full; 6 a rank stopped answering for run.collective_timeout_s (docs/running.md). A user's mistake is one line on stderr, never a
 traceback.
 """
 

@@ -2,7 +2,7 @@
 
 A user's mistake, or a run that cannot go on, is never a traceback: ``python -m fedddp``
 catches these, prints the message as one line on stderr and exits with ``exit_code`` (the table
-of exit statuses is in README.md). Everything else (our own bugs) keeps its traceback.
+of exit statuses is in docs/running.md). Everything else (our own bugs) keeps its traceback.
 """
 
 

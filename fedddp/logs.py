@@ -1,6 +1,6 @@
 """The files people watch while a run goes, written by rank 0 once per round.
 
-  metrics.jsonl   one JSON object per round: the output contract (README.md)
+  metrics.jsonl   one JSON object per round: the output contract (docs/running.md)
   metrics.csv     the same rounds as a table: every key of metrics.jsonl whose value is a number
                   or null (null: an empty cell); the lists (clients, dropped) are left out
   clients.jsonl   one JSON object per (round, reporting client), in client-id order: round,
