@@ -245,3 +245,12 @@ def test_python_requirement_is_311_everywhere():
     readme = open(os.path.join(REPO, "README.md")).read()
     assert "Python >= 3.11" in readme and "3.10" not in readme
     assert sys.version_info >= (3, 11)
+
+
+# -- 7. the CPU install ---------------------------------------------------------------------------
+
+
+def test_readme_says_how_to_get_the_cpu_build_without_naming_an_index_host():
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "install torch's CPU-only build first" in readme and "What a CPU user gives up" in readme
+    assert "--index-url" not in readme and "download.pytorch.org" not in readme
