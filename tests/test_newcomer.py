@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedddp import algorithms, checks
+from fedddp import algorithms, checks, plugins, registry
 from fedddp.__main__ import main
 from fedddp.errors import ConfigError, PluginError
 from fedddp.participation import drops_out
@@ -23,6 +23,19 @@ from fedrun import QUICKSTART, REPO, final_state, metrics
 
 QUIET = ["run.progress=false"]
 HINT = "(in your code, not fedddp; FEDDDP_TRACEBACK=1 prints its traceback)"
+
+
+@pytest.fixture(autouse=True)
+def own_registries(monkeypatch):
+    """The plugins a test registers are gone after it (as in test_plugins.py), so no other test
+    sees them in registry.ALGORITHMS; sys.path loses the folders plugins put first."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    tables = (registry.SERVER_RULES, registry.LOCAL_RULES, registry.ALGORITHMS, registry.WEIGHTING, plugins._objects)
+    saved = [dict(table) for table in tables]
+    yield
+    for table, content in zip(tables, saved):
+        table.clear()
+        table.update(content)
 
 
 def fedddp_main(capsys, *argv) -> tuple[int, list[str]]:
