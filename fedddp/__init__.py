@@ -5,10 +5,11 @@ vectors with a server rule (fedddp.strategies). Entry points: ``python -m fedddp
 ``fedddp.run(config, overrides, out_dir)`` from Python (docs/python_api.md).
 """
 
-from .errors import ConfigError, DataError, DiskFullError, DivergenceError, StalledError
+from .errors import ConfigError, DataError, DiskFullError, DivergenceError, PluginError, StalledError
 
 __version__ = "0.1.0"
-__all__ = ["run", "Result", "ConfigError", "DataError", "DivergenceError", "DiskFullError", "StalledError"]
+__all__ = ["run", "Result", "ConfigError", "DataError", "DivergenceError", "DiskFullError", "StalledError",
+           "PluginError"]
 
 
 def __getattr__(name: str):

@@ -6,19 +6,22 @@
   python -m fedddp --help                                                     every config key
 
 --check reads the config and builds every client's data and the model in this one process
-(what all ranks together would load; with run.parallel_clients > 1 it tries one side-by-side
-step too), then says OK or exits with the status the run would: the launchers run it
+(what all ranks together would load), runs one forward pass to compare the model's output with
+the task (classes or regression; with run.parallel_clients > 1 it tries one side-by-side step
+too), then says OK or exits with the status the run would: the launchers run it
 before they start any rank.
 
 Exit status: 0 done; 2 bad configuration; 3 data missing, unreadable or not finite; 4 the model
-diverged; 5 disk full; 6 a rank stopped answering for run.collective_timeout_s (docs/running.md). A user's mistake is one line on stderr, never a
-traceback.
+diverged; 5 disk full; 6 a rank stopped answering for run.collective_timeout_s; 7 your own code
+(a data or model callable, a plugin rule) raised: FEDDDP_TRACEBACK=1 prints its traceback
+(docs/running.md). A user's mistake is one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 # Transparent huge pages for torch's CPU allocations: the server rules write fresh [P] outputs
 # every round, and on ResNet-18 the page faults of a 45 MB output cost more than the arithmetic
@@ -33,7 +36,7 @@ from .client.batched import try_side_by_side
 from .data import build
 from .logs import require_tensorboard
 from .outdir import refuse_fresh_run
-from .errors import DataError, StalledError, UserError
+from .errors import DataError, PluginError, StalledError, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip() + "\n\nConfig keys (TOML tables; override as section.key=value):\n"
               + config.describe())
         return 0 if argv else 2
+    if "--check" in argv[1:]:  # read as an override, it would be refused without saying why
+        print("fedddp: error: --check goes first, before the config file and the overrides: "
+              "python -m fedddp --check CONFIG.toml [section.key=value ...]", file=sys.stderr)
+        return 2
     check = argv[0] == "--check"
     if check:
         argv = argv[1:]
@@ -59,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
         # rank's own (its clients' files), so each rank that has one says it; so does a rank
-        # whose peers did not all arrive (exit 6, StalledError).
-        if rank == 0 or isinstance(exc, (DataError, StalledError)):
+        # whose peers did not all arrive (exit 6, StalledError) and one whose plugin code raised
+        # (exit 7: a local rule's hook fails on the rank that trains the client).
+        if rank == 0 or isinstance(exc, (DataError, StalledError, PluginError)):
+            if isinstance(exc, PluginError) and os.environ.get("FEDDDP_TRACEBACK") == "1":
+                traceback.print_exception(exc.__cause__, file=sys.stderr)  # the user's, before our line
             line = f"fedddp: error: {exc}"
             print(line, file=sys.stderr)
             # The rank whose own data failed says what; rank 0's relay of it comes after.

@@ -10,10 +10,13 @@ configuration error naming both.
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch import nn
 
-from . import models, strategies, tasks
-from .errors import ConfigError
+from . import models, plugins, strategies, tasks
+from .errors import ConfigError, close_match
 from .client import rules
 from .client.optim import check_optimizer
 from .registry import ALGORITHMS, resolve, weighting_of
@@ -129,7 +132,9 @@ def _check_control(cfg, local: str) -> list[str]:
 def check_algorithm(cfg) -> list[str]:
     name = cfg.algorithm.name
     if name not in ALGORITHMS:
-        return [f"algorithm.name: unknown algorithm {name!r} (valid: {', '.join(ALGORITHMS)}, or module:attr, "
+        near = close_match(name, ALGORITHMS)
+        hint = f", did you mean {near}?" if near else ""
+        return [f"algorithm.name: unknown algorithm {name!r}{hint} (valid: {', '.join(ALGORITHMS)}, or module:attr, "
                 "your server rule: docs/extending.md)"]
     _, server = ALGORITHMS[name]
     if server not in strategies.SERVER_RULES:
@@ -148,13 +153,16 @@ def _declared_params(local: str, server: str) -> dict[str, tuple[str, object]]:
 
 def _check_params(params: dict, local: str, server: str) -> list[str]:
     """[algorithm.params]: every name declared by the server or the local rule, of its default's
-    type; then each rule checks its own values."""
-    declared, errors = _declared_params(local, server), []
+    type; then each rule checks its own values, the refused ones left at their defaults, so one
+    bad name does not hide the other values' errors."""
+    declared, errors, good = _declared_params(local, server), [], {}
     for key, value in params.items():
         if key not in declared:
             known = ", ".join(f"{k} ({rule})" for k, (rule, _) in declared.items()) or "none"
+            near = close_match(key, declared)
+            hint = f", did you mean {near}?" if near else ""
             errors.append(f"algorithm.params.{key}: not a parameter of the {server} server rule or the "
-                          f"{local} local rule (theirs: {known})")
+                          f"{local} local rule{hint} (theirs: {known})")
             continue
         rule, default = declared[key]
         want = float if type(default) is float else type(default)
@@ -162,9 +170,9 @@ def _check_params(params: dict, local: str, server: str) -> list[str]:
         if not ok and not (want is float and isinstance(value, int) and not isinstance(value, bool)):
             errors.append(f"algorithm.params.{key}: {rule} takes a {want.__name__} (default {default!r}), "
                           f"got {type(value).__name__} {value!r}")
-    if errors:
-        return errors
-    full = params_of(params, local, server)
+        else:
+            good[key] = value
+    full = params_of(good, local, server)
     check_server = strategies.SERVER_RULES[server].check_params
     errors += [] if check_server is None else list(check_server(full))
     errors += list(rules.RULES[local].check_params(full))
@@ -217,6 +225,31 @@ def check_model(cfg, net, task: str) -> list[str]:
     return errors
 
 
+@torch.no_grad()
+def check_output(name: str, net: nn.Module, input_shape: tuple, num_classes: int, task: str) -> list[str]:
+    """One forward pass of two zero samples (the data's one input shape), in eval mode so that no
+    BatchNorm statistic moves and no random number is drawn (the run's bits stay as they were):
+    the output must be what the task's loss reads (fedddp.tasks), else round 1 would end in a torch
+    traceback. An exception in a plugin model's forward is the user's (plugins.calling)."""
+    want = [2, num_classes if task == "classification" else 1]
+    modes = [m.training for m in net.modules()]
+    net.eval()
+    try:
+        with (plugins.calling("model.name", f"{name}'s forward") if plugins.is_path(name)
+              else contextlib.nullcontext()):
+            out = net(torch.zeros(2, *input_shape))
+    finally:
+        for m, mode in zip(net.modules(), modes):
+            m.training = mode
+    got = list(out.shape) if isinstance(out, torch.Tensor) else f"a {type(out).__name__}, not a tensor,"
+    if got == want:
+        return []
+    what = (f"a classification task with {num_classes} classes, so it must return {want} (one logit per class)"
+            if task == "classification" else f"a regression task, so it must return {want} (one prediction each)")
+    return [f"model.name: {name} returns {got} for a batch of 2 samples of shape {list(input_shape)}; the data "
+            f"are {what}"]
+
+
 def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> nn.Module:
     """The run's model: ``model.name`` built for data of this shape and task (fedddp.models),
     checked against what the run's rules need (``check_model``: a ConfigError naming what is
@@ -226,7 +259,7 @@ def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> 
     # what the round loop passes)
     task = task or tasks.of_data(cfg.data.name) or "classification"
     net = models.build(cfg.model.name, input_shape, num_classes, task, cfg.model.hidden)
-    errors = check_model(cfg, net, task)
+    errors = check_model(cfg, net, task) + check_output(cfg.model.name, net, tuple(input_shape), num_classes, task)
     if errors:
         raise ConfigError("; ".join(errors))
     if resolve(cfg.algorithm)[0] == "moon":

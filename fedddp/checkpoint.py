@@ -77,9 +77,18 @@ def identity_changes(saved: dict, now: dict) -> list[str]:
     (added to fedddp after it was written) is no change while it keeps its default: a new key's
     default is the behaviour fedddp had before it."""
     unset, defaults = "(unset)", identity(config.Config())
+    # a table (algorithm.params) is compared entry by entry: its changed names, not two whole dicts
+    saved, now = _flat_tables(saved), _flat_tables(now)
     return [f"{key} {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
             for key in sorted(saved.keys() | now.keys()) if saved.get(key, unset) != now.get(key, unset)
             and not (key not in saved and key in defaults and now.get(key) == defaults[key])]
+
+
+def _flat_tables(keys: dict) -> dict:
+    flat = {}
+    for key, value in keys.items():
+        flat.update({f"{key}.{k}": v for k, v in value.items()} if isinstance(value, dict) else {key: value})
+    return flat
 
 
 def save(comm, ckpt_root: str, round_idx: int, server: dict | None,

@@ -41,11 +41,11 @@ def validate(cfg: config.Config) -> list[str]:
     """Every impossible value or combination, each naming its dotted path: the plugins first
     (their rules are checked with the built-ins'), then the fields, then what spans modules."""
     errors = register_plugins(cfg)
-    errors += config.check_fields(cfg)
-    errors += algorithms.check_algorithm(cfg)
-    errors += participation.check(cfg)
-    errors += batched.check(cfg)
-    return errors
+    # a key whose import failed is said once: what the later checks say of it (an "unknown
+    # algorithm" that is only not imported) follows from that failure and would mislead
+    failed = {e.split(":", 1)[0] for e in errors}
+    rest = config.check_fields(cfg) + algorithms.check_algorithm(cfg) + participation.check(cfg) + batched.check(cfg)
+    return errors + [e for e in rest if e.split(":", 1)[0] not in failed]
 
 
 def register_plugins(cfg: config.Config) -> list[str]:
@@ -101,4 +101,24 @@ def _register_local(path: str, obj) -> None:
     if not (isinstance(obj, type) and issubclass(obj, rules.LocalRule)):
         raise ConfigError(f"algorithm.local: {path!r} is a {type(obj).__name__}; it must be "
                           f"{plugins.KEYS['algorithm.local']}")
-    LOCAL_RULES[path] = obj
+    LOCAL_RULES[path] = _guarded_rule(obj, path)
+
+
+def _guarded_rule(cls: type, path: str) -> type:
+    """The user's LocalRule with its hooks run under plugins.calling: what they raise is one line
+    naming the hook (exit 7), not a traceback that reads as fedddp's bug."""
+    def guard(hook: str):
+        method = getattr(cls, hook)
+
+        def call(self, *args, **kwargs):
+            with plugins.calling("algorithm.local", f"{path}.{hook}"):
+                return method(self, *args, **kwargs)
+        return call
+
+    def check_params(params):
+        with plugins.calling("algorithm.local", f"{path}.check_params"):
+            return cls.check_params(params)
+
+    hooks = {hook: guard(hook) for hook in ("begin", "gradient", "end")}
+    return type(cls.__name__, (cls,), {**hooks, "check_params": staticmethod(check_params),
+                                       "__module__": cls.__module__, "__doc__": cls.__doc__})

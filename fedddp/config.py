@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import plugins, tasks
-from .errors import ConfigError
+from .errors import ConfigError, close_match
 
 
 def opt(default: Any, doc: str, choices: tuple | None = None, plugin: bool = False):
@@ -41,11 +41,13 @@ class RunConfig:
     clients_per_round: int = opt(0, "Clients sampled per round (K). 0: use participation instead.")
     participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.")
     eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).")
-    ckpt_every: int = opt(0, "Write a checkpoint every this many rounds (0: only the final model).")
+    ckpt_every: int = opt(0, "Write a checkpoint every this many rounds (0: none but at run.stop_after; "
+                             "final.pt is written either way).")
     resume: bool = opt(False, "Continue from the newest complete checkpoint in out_dir/checkpoints. Forced "
                               "on in workers restarted by torchrun --max-restarts (TORCHELASTIC_RESTART_COUNT "
                               "> 0); a fresh run (false) first drops the old LATEST pointer.")
-    stop_after: int = opt(0, "Stop (cleanly, after checkpointing) once this round is done; 0: run all rounds.")
+    stop_after: int = opt(0, "Stop (cleanly, after checkpointing, also with ckpt_every = 0) once this round is "
+                             "done; 0: run all rounds.")
     device: str = opt("cpu", "cpu or cuda. cuda: NCCL backend, rank r binds cuda:LOCAL_RANK; cpu: gloo.",
                       ("cpu", "cuda"))
     num_threads: int = opt(1, "torch intra-op threads per rank. Pinned so results are bitwise the same "
@@ -298,7 +300,7 @@ def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None,
             errors.append("sweep: this file is a sweep; run it with python -m fedddp.study.sweep FILE")
             continue
         if section not in SECTIONS:
-            errors.append(f"{section}: unknown section (valid: {', '.join(SECTIONS)})")
+            errors.append(f"{section}: unknown section{_did_you_mean(section, SECTIONS)} (valid: {', '.join(SECTIONS)})")
             continue
         if not isinstance(table, dict):
             errors.append(f"{section}: expected a table")
@@ -311,7 +313,9 @@ def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None,
                 _set_params(target, key, value, path, errors, text)
                 continue
             if key not in types:
-                errors.append(f"{path}: unknown key (valid: {', '.join(types)})")
+                near = close_match(key, types)
+                hint = f", did you mean {section}.{near}?" if near else ""
+                errors.append(f"{path}: unknown key{hint} (valid: {', '.join(types)})")
                 continue
             coerced = _coerce(value, types[key], path, errors, text)
             if coerced is not None:
@@ -345,6 +349,11 @@ def _set_params(target, key: str, value: Any, path: str, errors: list[str], text
     target.params = {**target.params, name: value}
 
 
+def _did_you_mean(word: str, candidates) -> str:
+    near = close_match(word, candidates)
+    return f", did you mean {near}?" if near else ""
+
+
 def _param_value_ok(value: Any) -> bool:
     if isinstance(value, list):
         return all(_param_value_ok(v) and not isinstance(v, list) for v in value)
@@ -376,7 +385,8 @@ def check_fields(cfg: Config) -> list[str]:
                 continue
             if choices and value not in choices:
                 own = ", or module:attr (docs/extending.md)" if f.metadata.get("plugin") else ""
-                errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}{own}")
+                errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}{own}"
+                              f"{_did_you_mean(value, choices)}")
     positive = ["run.rounds", "run.eval_every", "run.num_threads", "run.collective_timeout_s", "data.num_clients", "data.shards_per_client",
                 "train.lr_step_size", "model.hidden", "data.synthetic_dim", "data.synthetic_classes"]
     non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",

@@ -5,6 +5,8 @@ catches these, prints the message as one line on stderr and exits with ``exit_co
 of exit statuses is in docs/running.md). Everything else (our own bugs) keeps its traceback.
 """
 
+import difflib
+
 
 def os_error_in(exc: BaseException | None) -> OSError | None:
     """The first OSError in an exception's chain (torch.save reports a failed write as a
@@ -52,5 +54,20 @@ class StalledError(UserError):
     exit_code = 6
 
 
+class PluginError(UserError):
+    """The user's own code (a data or model callable, a plugin rule's aggregate or hooks) raised:
+    one line naming the callable and the exception, exit status 7, since status 1 means a bug in
+    fedddp. The user's traceback is the cause (``__cause__``); ``python -m fedddp`` prints it with
+    FEDDDP_TRACEBACK=1."""
+
+    exit_code = 7
+
+
+def close_match(word, candidates) -> str | None:
+    """The candidate a misspelt ``word`` most likely meant, for a "did you mean" (None: none close)."""
+    found = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1)
+    return found[0] if found else None
+
+
 # What fedddp.run raises for a user's mistake or a run that cannot go on (exported by fedddp).
-ERRORS = (ConfigError, DataError, DivergenceError, DiskFullError, StalledError)
+ERRORS = (ConfigError, DataError, DivergenceError, DiskFullError, StalledError, PluginError)

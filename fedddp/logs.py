@@ -2,7 +2,7 @@
 
   metrics.jsonl   one JSON object per round: the output contract (docs/running.md)
   metrics.csv     the same rounds as a table: every key of metrics.jsonl whose value is a number
-                  or null (null: an empty cell); the lists (clients, dropped) are left out
+                  or null (null: an empty cell); the lists (clients, dropped, missed_deadline) are left out
   clients.jsonl   one JSON object per (round, reporting client), in client-id order: round,
                   client, rank (the rank that trained it), num_samples, num_steps, train_loss,
                   train_time_s and the server rule's per-client diagnostics. Clients that dropped

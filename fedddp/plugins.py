@@ -9,11 +9,12 @@ the built-ins.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
 
-from .errors import ConfigError
+from .errors import ConfigError, PluginError, UserError
 
 # key -> what the attribute must be, for the error line
 KEYS = {"data.name": "a data callable (root, seed) -> mapping of arrays",
@@ -48,6 +49,21 @@ def _import(path: str, key: str):
                               f"attribute {attr!r}; {key} needs {KEYS[key]}")
         obj = getattr(obj, part)
     return module, obj
+
+
+@contextlib.contextmanager
+def calling(key: str, name: str):
+    """Run the user's callable ``name`` (given by ``key``): whatever it raises but fedddp's own
+    errors becomes one PluginError line naming it (exit 7; status 1 stays fedddp's bugs), with the
+    user's traceback kept as its cause for FEDDDP_TRACEBACK=1."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's code is one line
+        cause = " ".join(str(exc).split())
+        raise PluginError(f"{key}: {name} raised {type(exc).__name__}: {cause} (in your code, not fedddp; "
+                          "FEDDDP_TRACEBACK=1 prints its traceback)") from exc
 
 
 def get(path: str, key: str):

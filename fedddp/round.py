@@ -25,7 +25,7 @@ from .client.batched import BatchedTrainer
 from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
 from .data import ClientData, LazyClients, build as build_data
 from .data.build import BUILT_WHOLE
-from .errors import ConfigError, DataError, DivergenceError, UserError
+from .errors import ConfigError, DataError, DivergenceError, PluginError, UserError
 from .flat import FlatLayout
 from .registry import resolve
 from .sampling import (assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, owner,
@@ -232,6 +232,8 @@ def _choose_checkpoint(cfg: config.Config) -> int:
             raise DataError(f"checkpoints: {len(skipped)} round folder(s) in {ckpt_root} but none is "
                             f"complete ({'; '.join(skipped)}); nothing to resume: start over with "
                             "run.resume=false run.overwrite=true")
+        print(f"fedddp: run.resume=true but {ckpt_root} holds no checkpoint; starting from round 1",
+              file=sys.stderr, flush=True)
         return 0
     changes = checkpoint.identity_changes(manifest["identity"], checkpoint.identity(cfg))
     if changes:
@@ -526,14 +528,18 @@ def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int]):
     before this round writes anything. Returns (diagnostics, train loss, stacks) on rank 0."""
     cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     if comm.is_main:
-        if reported:
-            stacks = run.report.unpack(rows_KF) | run.static
-            run.global_P, run.state, diagnostics = run.strategy.aggregate(run.global_P, stacks, run.state,
-                                                                          cfg.algorithm)
-            train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
-        if run.strategy.ledger is not None:
-            diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))
-        if not ((train_loss is None or math.isfinite(train_loss)) and bool(torch.isfinite(run.global_P).all())):
+        try:
+            if reported:
+                stacks = run.report.unpack(rows_KF) | run.static
+                run.global_P, run.state, diagnostics = run.strategy.aggregate(run.global_P, stacks, run.state,
+                                                                              cfg.algorithm)
+                train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
+            if run.strategy.ledger is not None:
+                diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))
+        except PluginError as exc:  # a plugin rule's own failure: every rank ends with its status
+            error = exc
+        if error is None and not ((train_loss is None or math.isfinite(train_loss))
+                                  and bool(torch.isfinite(run.global_P).all())):
             error = _diverged(cfg, round_idx, train_loss, run.global_P, run.last_ckpt)
     _agree_with_rank_zero(comm, error)
     return diagnostics, train_loss, stacks
@@ -557,11 +563,12 @@ def evaluate_round(run: Setup, comm, round_idx: int) -> tuple[float | None, floa
 
 
 def checkpoint_files(run: Setup, comm, round_idx: int, stopping: bool):
-    """Every run.ckpt_every rounds, and at run.stop_after: rank 0 writes the server part, every rank
+    """Every run.ckpt_every rounds, and at run.stop_after (also with run.ckpt_every = 0: a stopped run
+    is continued from it, as --help promises): rank 0 writes the server part, every rank
     its clients' states; the manifest that completes the checkpoint waits for the round's rows
     (``complete_checkpoint``). None on other rounds."""
     rc = run.cfg.run
-    if not rc.ckpt_every or (round_idx % rc.ckpt_every and not stopping):
+    if not stopping and (not rc.ckpt_every or round_idx % rc.ckpt_every):
         return None
     server = {"round": round_idx, "global_P": run.global_P.cpu(), "state": {k: v.cpu() for k, v in run.state.items()},
               "torch_rng": torch.get_rng_state()} if comm.is_main else None
@@ -595,6 +602,7 @@ class Book:
             # resumed one's were cut back to its checkpoint's round in run()
             self.logs = logs.RunLogs(rc.out_dir, run.start_round, rc.tensorboard)
         self.progress = Progress(rc.rounds, rc.progress, run.task.metric_key)
+        self.last_row: dict | None = None  # the last round's metrics.jsonl row (the closing line's epsilon)
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
         # out; the line says which form of the rules produced this run's bits.
         form = strategies.kernels.describe(comm.device, rule=run.strategy.name)
@@ -618,9 +626,13 @@ class Book:
                 + (t["broadcast"] - t["aggregate"]),
                 "aggregate_s": t["aggregate"] - t["gather"], "evaluate_s": t["evaluate"] - t["broadcast"],
                 "checkpoint_s": t["checkpoint"] - t["evaluate"], "clients": plan.sampled,
-                "num_reports": len(reported), "dropped": sorted(set(plan.sampled) - set(reported))}
+                "num_reports": len(reported), "dropped": sorted(set(plan.sampled) - set(reported)),
+                # of those, the clients that were drawn to report but planned more steps than
+                # run.deadline_steps (stragglers); the others dropped out (run.dropout)
+                "missed_deadline": sorted(set(plan.reporting) - set(reported))}
         rank_of = {c: r for r, clients in enumerate(plan.per_rank) for c in clients}
         line = self.logs.write_round(line, diagnostics, stacks, reported, rank_of, run.last_ckpt, sync=sync)
+        self.last_row = line
         self.progress.update(plan.round_idx, run.start_round, line)
 
     def finish(self, last_round: int, final: dict) -> None:
@@ -629,11 +641,24 @@ class Book:
         if last_round == rc.rounds:
             with outdir.disk_full_is_one_line("final.pt", rc.out_dir, last_ckpt):
                 checkpoint.atomic_save(final, os.path.join(rc.out_dir, "final.pt"))
-        elif last_round == rc.stop_after:
-            how = (f"continue from {last_ckpt} with run.resume=true" if last_ckpt else
-                   "no checkpoint was written (run.ckpt_every = 0), so run.resume=true would start over")
-            print(f"fedddp: stopped after round {last_round} (run.stop_after); {how}", file=sys.stderr, flush=True)
+            self.logs.close()
+            if rc.progress:
+                print(self.closing_line(), file=sys.stderr, flush=True)
+            return
+        if last_round == rc.stop_after:
+            print(f"fedddp: stopped after round {last_round} (run.stop_after); continue from {last_ckpt} with "
+                  "run.resume=true", file=sys.stderr, flush=True)
         self.logs.close()
+
+    def closing_line(self) -> str:
+        """What a finished run leaves: the folder, its files and (DP-FedAvg) the final epsilon."""
+        out_dir = self.run.cfg.run.out_dir
+        names = [n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in
+                 ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "final.pt", "checkpoints",
+                  "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
+        eps = (self.last_row or {}).get("epsilon")
+        dp = f"; epsilon {eps:.4g} at delta {self.run.cfg.algorithm.dp_delta:g}" if eps is not None else ""
+        return f"fedddp: finished {self.run.cfg.run.rounds} rounds; {out_dir} holds {', '.join(names)}{dp}"
 
 
 def _finish(run: Setup, comm, book: Book | None, last_round: int) -> dict:

@@ -11,8 +11,8 @@
 # PYTHON        the interpreter whose torch and fedddp to use (default: python)
 # CHECK         1 (default): python -m fedddp --check first, 0: skip it (data too big to load twice)
 #
-# Everything after the config is passed to fedddp untouched. Exit status: fedddp's (0, 2 config,
-# 3 data, 5 a rank stopped answering), with fedddp's line last on stderr; torchrun's otherwise.
+# Everything after the config is passed to fedddp untouched. Exit status: fedddp's (0, 2 to 7:
+# README.md), with fedddp's line last on stderr; torchrun's otherwise.
 set -euo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
@@ -39,6 +39,10 @@ trap 'rm -f "$FEDDDP_STATUS_FILE"' EXIT
 # Restarted workers must not meet in the agent's long-lived store, where the previous attempt's
 # addresses are still written (pytorch/pytorch#135712): rank 0 hosts a fresh one each attempt.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# torchrun sets OMP_NUM_THREADS=1 for every rank when it is unset, announcing it in a banner that
+# opened every run; the same value set here leaves the ranks as they were, without the banner
+# (fedddp pins torch's intra-op threads itself: run.num_threads). A value you export is kept.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NPROC" \
     --max-restarts="${MAX_RESTARTS:-0}" -m fedddp "$@" &
 TORCHRUN=$!

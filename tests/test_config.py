@@ -133,7 +133,7 @@ def test_config_toml_and_start_line_show_the_resolved_algorithm(tmp_path):
     from fedrun import run_fedddp
     proc = run_fedddp(["algorithm.name=fedgam", "run.rounds=1", "run.ckpt_every=0", f"run.out_dir={tmp_path}",
                        "run.progress=true"])
-    start = [line for line in proc.stderr.splitlines() if line.startswith("fedddp:")]
+    start = [line for line in proc.stderr.splitlines() if line.startswith("fedddp:") and "rank(s) on" in line]
     assert len(start) == 1, proc.stderr
     assert "fedgam: gam clients, fedavg server rule, uniform weights; aggregation:" in start[0], start[0]
     written = (tmp_path / "config.toml").read_text()

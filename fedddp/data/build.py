@@ -42,7 +42,8 @@ def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
     if data.name == "tensors":
         return tensors.build(tensors.read(data.path), f"data.path: {data.path}", data, seed, owned_ids)
     if plugins.is_path(data.name):  # called alike on every rank: the same arrays, the same partition
-        mapping = plugins.get(data.name, "data.name")(cfg.data_root(), seed)
+        with plugins.calling("data.name", f"{data.name}(root, seed)"):
+            mapping = plugins.get(data.name, "data.name")(cfg.data_root(), seed)
         return tensors.build(mapping, f"data.name: {data.name}(root, seed)", data, seed, owned_ids)
 
     if not 0.0 <= data.holdout_from_test < 1.0:

@@ -95,7 +95,8 @@ def build(name: str, input_shape, num_classes: int, task: str, hidden: int = 200
     the MLP's width. What the run's rules need of it is checked above (``algorithms.build_model``)."""
     input_shape = tuple(input_shape)
     if plugins.is_path(name):
-        net = plugins.get(name, "model.name")(input_shape, num_classes)
+        with plugins.calling("model.name", f"{name}(input_shape, num_classes)"):
+            net = plugins.get(name, "model.name")(input_shape, num_classes)
         if not isinstance(net, nn.Module):
             raise ConfigError(f"model.name: {name}(input_shape, num_classes) returned a {type(net).__name__}, "
                               "not a torch.nn.Module")

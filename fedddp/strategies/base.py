@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from .. import plugins
 from ..registry import SERVER_RULES, weighting_of
 from . import kernels
 
@@ -73,12 +74,20 @@ def register(strategy: Strategy) -> Strategy:
 def plugin_form(strategy: Strategy, name: str) -> Strategy:
     """A plugin server rule, registered under its import path ``name``: its aggregate runs with
     every helper it calls (weighted_mean_P) in the torch-op form on every device, since only the
-    built-in rules have fused kernels."""
+    built-in rules have fused kernels. What its functions raise is the user's (plugins.calling)."""
+    def guarded(fn, what):
+        def call(*args):
+            with plugins.calling("algorithm.name", f"{name} ({what})"):
+                return fn(*args)
+        return call if fn is not None and fn is not _no_state else fn
+
     def aggregate(global_P, stacks, state, hp):
         with kernels.forced("torch"):
             return strategy.aggregate(global_P, stacks, state, hp)
 
-    return dataclasses.replace(strategy, name=name, aggregate=aggregate)
+    return dataclasses.replace(strategy, name=name, aggregate=guarded(aggregate, "its aggregate"),
+                               **{f: guarded(getattr(strategy, f), f"its {f}")
+                                  for f in ("init_state", "ledger", "check_params")})
 
 
 def get(name: str) -> Strategy:
