@@ -1,13 +1,151 @@
-"""Fixtures shared by several test modules."""
+"""Fixtures shared by several test modules, and the guard that keeps the markers true.
+
+Markers (setup.cfg): ``processes`` a test that starts a process (``python -m fedddp``,
+``torchrun``, any ``subprocess`` or ``multiprocessing``), ``e2e`` a test that runs experiments
+through the round loop (here or in processes it starts), ``slow`` one that takes several seconds
+or more. ``python -m pytest -q tests -m
+"not processes"`` is the unit run. A test that starts a process without ``processes`` fails
+(``_spawn_guard``), so the marking cannot rot. The processes allowed anywhere are compilers
+building kernels: the C compiler filling the kernels' cache (strategies/kernels.py), a build step
+that any unit test of a server rule may trigger on a fresh machine, and Triton's ptxas in the
+tests that compile the Triton kernels for a GPU target.
+"""
+
+import multiprocessing.process
+import os
+import subprocess
+import threading
 
 import pytest
 
-from fedrun import SLOW, run_fedddp
+from fedrun import SLOW, run_here
+
+# The test whose setup, call or teardown is running (None between tests and at collection).
+_running: list = [None]
+# Processes the running test started without the marker from another thread, whose exception
+# never reaches the test: _spawn_guard fails the test for them.
+_unmarked: list[str] = []
+_started: list[str] = []  # every process the running test started
+_experiments: list[int] = [0]  # round loops run here (fedddp.round.run; FEDDDP_TEST_SPAWN_LOG only)
+
+
+def _compiler(argv) -> bool:
+    """The kernels' build: ``$CC`` (default cc) on kernels.c, or a tool of Triton's own toolchain
+    (ptxas, shipped inside the triton package) compiling a kernel for a GPU target."""
+    args = [os.fspath(a) for a in ([argv] if isinstance(argv, (str, bytes, os.PathLike)) else argv)]
+    if not args:
+        return False
+    program = str(args[0])
+    if os.path.basename(program) == os.path.basename(os.environ.get("CC", "cc")):
+        return any(str(a).endswith("kernels.c") for a in args)
+    return f"{os.sep}triton{os.sep}backends{os.sep}" in program
+
+
+def _refuse(what: str) -> None:
+    item = _running[0]
+    _started.append(what)
+    if item is not None and item.get_closest_marker("processes") is None:
+        if threading.current_thread() is not threading.main_thread():
+            _unmarked.append(what)  # its exception ends that thread, not the test
+        pytest.fail(f"{item.nodeid} starts a process ({what}) but is not marked "
+                    "@pytest.mark.processes (tests/conftest.py, setup.cfg)", pytrace=False)
+
+
+_popen_execute_child = subprocess.Popen._execute_child
+_process_start = multiprocessing.process.BaseProcess.start
+_os_calls = {name: getattr(os, name) for name in ("system", "fork", "forkpty", "posix_spawn",
+                                                  "posix_spawnp", "spawnv", "spawnve", "execv", "execve")
+             if hasattr(os, name)}
+
+
+def _guarded_execute_child(self, args, *rest, **kwargs):
+    if not _compiler(args):
+        _refuse(f"subprocess: {args if isinstance(args, str) else ' '.join(map(str, args))[:120]}")
+    return _popen_execute_child(self, args, *rest, **kwargs)
+
+
+def _guarded_start(self):
+    _refuse(f"multiprocessing: {self!r}")
+    return _process_start(self)
+
+
+def _guarded_os(name):
+    original = _os_calls[name]
+
+    def call(*args, **kwargs):
+        _refuse(f"os.{name}")
+        return original(*args, **kwargs)
+    return call
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Covers setup (module-scoped fixtures that start a shared run included), call and teardown."""
+    _running[0] = item
+    _unmarked.clear()
+    _started.clear()
+    _experiments[0] = 0
+    try:
+        yield
+    finally:
+        _running[0] = None
+        if os.environ.get("FEDDDP_TEST_SPAWN_LOG"):  # to review the marks: what each test started
+            with open(os.environ["FEDDDP_TEST_SPAWN_LOG"], "a") as fh:
+                marks = ",".join(m for m in ("processes", "e2e", "slow") if item.get_closest_marker(m))
+                fh.write(f"{item.nodeid}\tmarks={marks}\tstarted={len(_started)}\truns={_experiments[0]}\n")
+
+
+def pytest_configure(config):
+    if os.environ.get("FEDDDP_TEST_SPAWN_LOG"):  # count the experiments each test runs here too
+        import fedddp.round
+
+        rounds = fedddp.round.run
+
+        def counted(*args, **kwargs):
+            _experiments[0] += 1
+            return rounds(*args, **kwargs)
+        fedddp.round.run = counted  # before fedddp.api and the test modules bind it
+    subprocess.Popen._execute_child = _guarded_execute_child
+    multiprocessing.process.BaseProcess.start = _guarded_start
+    for name in _os_calls:
+        setattr(os, name, _guarded_os(name))
+
+
+def pytest_unconfigure(config):
+    subprocess.Popen._execute_child = _popen_execute_child
+    multiprocessing.process.BaseProcess.start = _process_start
+    for name, original in _os_calls.items():
+        setattr(os, name, original)
+
+
+@pytest.fixture(autouse=True)
+def _spawn_guard(request):
+    """Fails a test that started a process without @pytest.mark.processes, in whatever thread."""
+    yield
+    if _unmarked:
+        found, _unmarked[:] = list(_unmarked), []
+        pytest.fail(f"{request.node.nodeid} starts processes without @pytest.mark.processes: "
+                    + "; ".join(found[:3]), pytrace=False)
+
+
+@pytest.fixture
+def without_scontrol(monkeypatch):
+    """A machine without Slurm's tools: fedddp.env.first_host expands the node list itself
+    instead of starting ``scontrol show hostnames`` (the same first host where Slurm is there)."""
+    from types import SimpleNamespace
+
+    from fedddp import env
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory", "scontrol")
+
+    monkeypatch.setattr(env, "subprocess", SimpleNamespace(run=missing, SubprocessError=subprocess.SubprocessError))
 
 
 @pytest.fixture(scope="session")
 def slow_reference(tmp_path_factory):
-    """SLOW run uninterrupted, on one process (any world size gives the bitwise-same model)."""
+    """SLOW run uninterrupted, on one rank in this process (any world size gives the bitwise-same
+    model; the tests that use it start the runs they compare with it)."""
     out = tmp_path_factory.mktemp("slow_reference")
-    run_fedddp(SLOW + [f"run.out_dir={out}"])
+    run_here(SLOW + [f"run.out_dir={out}"])
     return out

@@ -9,6 +9,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -24,18 +25,91 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _argv(config: str | None, args) -> list[str]:
+    """``[config] + args`` with run.progress=false after the config file (a config file may also
+    be the first of ``args``); a later run.progress in ``args`` wins."""
+    argv = ([config] if config else []) + list(args)
+    at = 1 if argv and "=" not in argv[0] else 0
+    return argv[:at] + ["run.progress=false"] + argv[at:]
+
+
 def run_fedddp(args: list[str], nproc: int = 1, config: str | None = QUICKSTART, env=None,
                timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     """``python -m fedddp`` for one rank, real ``torchrun`` for several."""
     cmd = [sys.executable, "-m", "fedddp"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "fedddp"]
-    cmd += ([config] if config else []) + ["run.progress=false"] + list(args)
+    cmd += _argv(config, args)
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_fedddp_each(runs: list[list[str]], nproc: int, config: str | None = QUICKSTART, env=None,
+                    timeout: int = 600) -> None:
+    """Several runs on ``nproc`` ranks under one real ``torchrun`` (tests/torchrun_runs.py): each
+    rank runs them one after another, as ``python -m fedddp`` each, in a process group of its
+    own each time. For tests that compare many configurations across world sizes: the ranks,
+    the gloo collectives and the checkpoints are those of separate torchruns; only the start of
+    the Python processes, each importing torch, is shared."""
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="runs-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump([_argv(config, args) for args in runs], fh)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_runs.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", script, path]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+        done = open(path + ".status").read().split() if os.path.exists(path + ".status") else []
+    finally:
+        for leftover in (path, path + ".status"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    if proc.returncode != 0 or done != ["0"] * len(runs):
+        at = len(done) - 1 if done and done[-1] != "0" else len(done)  # the run that failed or never ended
+        which = f"run {at + 1} of {len(runs)} ({' '.join(runs[at])})" if at < len(runs) else "after the runs"
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}, statuses {done}: failed at {which}:\n"
+                             f"{proc.stderr[-4000:]}")
+
+
+def run_here(args: list[str], config: str | None = QUICKSTART, check: bool = True) -> int:
+    """``python -m fedddp`` for one rank, in this process: ``fedddp.__main__.main``, the function
+    the module runs (the results are bitwise the same: the run pins its thread count and seeds).
+    It saves starting a Python and importing torch where the test is about the run, not the
+    process; torch's global settings are restored afterwards, as ``fedddp.run`` does."""
+    from fedddp.__main__ import main
+    from fedddp.api import _TorchGlobals
+
+    saved = _TorchGlobals()
+    try:
+        status = main(_argv(config, args))
+    finally:
+        saved.restore()
+    if check and status != 0:
+        raise AssertionError(f"fedddp {' '.join(args)} exited {status}")
+    return status
+
+
+def selected(request, test_name: str, argname: str) -> list:
+    """The values of ``argname`` of the selected tests named ``test_name`` in the requesting
+    module, in order: what a module-scoped fixture that starts one process for several
+    parametrized tests has to run (all of them for the whole suite, one for ``-k``)."""
+    values = []
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == test_name and item.module is request.module:
+            value = item.callspec.params[argname]
+            if value not in values:
+                values.append(value)
+    return values
+
+
+def is_selected(request, test_name: str) -> bool:
+    """Whether a test named ``test_name`` in the requesting module is selected to run."""
+    return any(getattr(item, "originalname", None) == test_name and item.module is request.module
+               for item in request.session.items)
 
 
 def final_state(out_dir) -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, 
 SMALL = ["run.rounds=3", "run.ckpt_every=0", "run.progress=false"]
 
 
+@pytest.mark.processes
 def test_import_fedddp_stays_without_torch():
     """Guards the fast start: exporting fedddp.run eagerly would import torch (and the whole
     runtime) for every ``import fedddp``, the error classes included."""
@@ -31,6 +32,8 @@ def test_import_fedddp_stays_without_torch():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_path_and_dict_configs_give_the_cli_bits(tmp_path):
     """Guards the one code path: the API's result is the run folder's (metrics.jsonl rows,
     final.pt) and bitwise the CLI's run of the same config, whether the config is a file or
@@ -55,6 +58,7 @@ def test_path_and_dict_configs_give_the_cli_bits(tmp_path):
     assert_same_state(final_state(tmp_path / "cli"), by_path.state_dict)
 
 
+@pytest.mark.e2e
 def test_two_calls_in_one_process_leave_torch_settings_as_found(tmp_path):
     """Guards the notebook: a second call in the same process must run (no stale process group
     or lock), a caller's float64 default dtype and thread count must not change the bits, and
@@ -79,6 +83,7 @@ def test_two_calls_in_one_process_leave_torch_settings_as_found(tmp_path):
     assert [r["test_accuracy"] for r in second.metrics] == [r["test_accuracy"] for r in first.metrics]
 
 
+@pytest.mark.e2e
 def test_mistakes_raise_their_error_not_system_exit(tmp_path):
     """Guards the API's contract: a bad key, a missing config file and missing data raise
     ConfigError / DataError (the CLI's exit statuses 2 and 3), never SystemExit, and the
@@ -158,6 +163,8 @@ torch.save({"metrics": [r.metrics for r in results], "state": [r.state_dict for 
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_every_rank_under_torchrun_gets_the_one_rank_result(tmp_path):
     """Guards fedddp.run in a user's script under torchrun: each rank calls it twice in groups
     fedddp makes (the second once read the first group's stale addresses from torchrun's store

@@ -230,6 +230,7 @@ CASES = [("fedavg", ADAMP), ("fedavg", RMSGD_), ("feder", ADAMP), ("feder", RMSG
 
 
 @pytest.mark.parametrize("name,extra", CASES, ids=[f"{n} {e[0]}" for n, e in CASES])
+@pytest.mark.e2e
 def test_adamp_and_rmsgd_side_by_side_equal_sequential(tmp_path, mnist_root, name, extra):
     """AdamP (weight decay) and RMSGD (momentum, weight decay, rates from the conv layers' metrics
     at each client's own epoch boundaries), with FedAvg and with FedER (its effective ranks from the batched models),
@@ -237,6 +238,7 @@ def test_adamp_and_rmsgd_side_by_side_equal_sequential(tmp_path, mnist_root, nam
     assert_close_cnn(tmp_path, cnn_overrides(mnist_root) + [f"algorithm.name={name}", *extra])
 
 
+@pytest.mark.e2e
 def test_rmsgd_comparison_fails_with_frozen_rates(tmp_path, mnist_root, monkeypatch):
     """The end-to-end comparison sees RMSGD's adapted rates: a batched path that never called
     epoch_step (its rates stuck at the initial learning rate) is off by more than 10 times TOL."""

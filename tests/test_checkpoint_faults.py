@@ -86,6 +86,7 @@ def _resume(stopped, tmp_path, capsys, damage=None, extra=(), nproc=1):
 
 
 @pytest.mark.parametrize("case,damage,from_round,words", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.e2e
 def test_damaged_checkpoint_resumes_bitwise_from_the_newest_complete_round(
         case, damage, from_round, words, reference, stopped, tmp_path, capsys):
     """Regression: a missing or stale shard was accepted (other client states, another model),
@@ -100,6 +101,7 @@ def test_damaged_checkpoint_resumes_bitwise_from_the_newest_complete_round(
     assert [m["test_accuracy"] for m in metrics(out)] == [m["test_accuracy"] for m in metrics(reference)]
 
 
+@pytest.mark.e2e
 def test_no_complete_round_folder_refuses_with_status_3(stopped, tmp_path, capsys):
     """Round folders exist but none is complete: nothing to resume from, and starting over
     silently would throw the user's rounds away."""
@@ -121,6 +123,7 @@ def _damage_line(path, number):
 
 
 @pytest.mark.parametrize("name,number", [("metrics.jsonl", 3), ("clients.jsonl", 5), ("metrics.csv", 2)])
+@pytest.mark.e2e
 def test_a_damaged_row_refuses_the_resume_in_one_line_naming_it(name, number, stopped, tmp_path, capsys):
     """Regression: one damaged line in metrics.jsonl made the resume a JSONDecodeError traceback.
     The checkpoint says which rows stay, but not what a damaged one held: the resume is refused
@@ -144,6 +147,7 @@ CHANGES = [
 
 
 @pytest.mark.parametrize("override,words", CHANGES, ids=[c[0] for c in CHANGES])
+@pytest.mark.e2e
 def test_resume_with_another_run_identity_is_refused_and_touches_nothing(
         override, words, stopped, tmp_path, capsys):
     """Regression: a resume with another num_clients or seed ran rounds 5-6 on other data and
@@ -163,6 +167,7 @@ def test_resume_with_another_run_identity_is_refused_and_touches_nothing(
     assert list(after.values()) == list(before.values())  # config.toml, metrics, checkpoints
 
 
+@pytest.mark.e2e
 def test_keys_that_may_change_on_resume_keep_the_bits(reference, stopped, tmp_path, capsys):
     out, status, lines = _resume(stopped, tmp_path, capsys,
                                  extra=["run.eval_every=3", "run.ckpt_every=3", "run.client_state=mmap"])
@@ -170,6 +175,7 @@ def test_keys_that_may_change_on_resume_keep_the_bits(reference, stopped, tmp_pa
     assert_same_state(final_state(reference), final_state(out))
 
 
+@pytest.mark.e2e
 def test_rounds_below_the_checkpoint_is_refused(stopped, tmp_path, capsys):
     """Regression: run.rounds=3 with a round-4 checkpoint exited 0 and wrote nothing."""
     out, status, lines = _resume(stopped, tmp_path, capsys, extra=["run.rounds=3"])
@@ -178,6 +184,8 @@ def test_rounds_below_the_checkpoint_is_refused(stopped, tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_stale_shard_is_ignored_when_resuming_on_another_world_size(reference, stopped, tmp_path, capsys):
     """Regression: a stale clients_rank1.pt in the round folder (left by an older 2-rank run)
     overwrote the saved client states of a 1-rank run that resumed on 2 ranks."""

@@ -13,7 +13,7 @@ from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.round import run
 
-from fedrun import QUICKSTART, assert_same_state, final_state, metrics, run_fedddp
+from fedrun import QUICKSTART, assert_same_state, final_state, metrics, run_fedddp, run_fedddp_each, run_here, selected
 
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
 CPU = torch.device("cpu")
@@ -75,6 +75,7 @@ def test_checkpoint_captures_mmap_state(tmp_path):
 # -- in-process runs: memory and mmap give the same model ------------------------------------
 
 @pytest.mark.parametrize("name", ["scaffold", "moon", "fedsmoo"])
+@pytest.mark.e2e
 def test_mmap_and_memory_runs_agree(tmp_path, name):
     results = []
     for kind in ("memory", "mmap"):
@@ -94,24 +95,42 @@ FEW = ["run.rounds=4", "run.clients_per_round=10", "run.eval_every=5", "run.ckpt
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["scaffold", "moon"])
-def test_world_size_invariance_with_client_state(tmp_path, name):
-    states = []
-    for nproc, kind in ((1, "memory"), (2, "memory"), (4, "mmap")):
-        out = tmp_path / f"w{nproc}"
-        run_fedddp(FEW + [f"algorithm.name={name}", f"run.client_state={kind}", f"run.out_dir={out}"], nproc=nproc)
-        states.append(final_state(out))
-    assert_same_state(states[0], states[1])
-    assert_same_state(states[0], states[2])
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_world_size_invariance_with_client_state(tmp_path, name, several_ranks):
+    run_here(FEW + [f"algorithm.name={name}", "run.client_state=memory", f"run.out_dir={tmp_path / 'w1'}"])
+    one = final_state(tmp_path / "w1")
+    for nproc, kind in WORLDS[1:]:
+        assert_same_state(one, final_state(several_ranks[name, nproc]))
+
+
+WORLDS = ((1, "memory"), (2, "memory"), (4, "mmap"))  # (ranks, run.client_state)
+
+
+@pytest.fixture(scope="module")
+def several_ranks(request, tmp_path_factory) -> dict:
+    """{(rule, ranks): out_dir}: the selected rules' runs on 2 and on 4 ranks, one torchrun for
+    each world size, each run in a process group of its own."""
+    names, root, outs = selected(request, "test_world_size_invariance_with_client_state", "name"), \
+        tmp_path_factory.mktemp("ranks"), {}
+    for nproc, kind in WORLDS[1:]:
+        outs |= {(name, nproc): root / f"{name}_w{nproc}" for name in names}
+        if names:
+            run_fedddp_each([FEW + [f"algorithm.name={name}", f"run.client_state={kind}",
+                                    f"run.out_dir={outs[name, nproc]}"] for name in names], nproc=nproc)
+    return outs
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_resume_equivalence_scaffold_mmap(tmp_path):
     """Stop after round 3 on 2 ranks (c_k in each rank's shard, read from the memory-mapped
     files; c in the server state), resume on 4: the same model as never stopping."""
     full, part = tmp_path / "full", tmp_path / "part"
     args = ["algorithm.name=scaffold", "run.rounds=6", "run.clients_per_round=12", "run.ckpt_every=3",
             "run.eval_every=1", "run.client_state=mmap"]
-    run_fedddp(args + [f"run.out_dir={full}"], nproc=1)
+    run_here(args + [f"run.out_dir={full}"])
     run_fedddp(args + [f"run.out_dir={part}", "run.stop_after=3"], nproc=2)
     assert not (part / "final.pt").exists()
     shards = sorted(p.name for p in (part / "checkpoints" / "round_000003").iterdir())

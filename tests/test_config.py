@@ -67,6 +67,7 @@ def test_every_field_has_a_doc():
             assert f.metadata.get("doc"), f.name
 
 
+@pytest.mark.processes
 def test_cli_bad_config_exits_2_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedddp", "run.rounds=0", "data.name=x"],
                           capture_output=True, text=True, cwd=tmp_path)
@@ -76,6 +77,7 @@ def test_cli_bad_config_exits_2_without_traceback(tmp_path):
     assert "data.name" in proc.stderr
 
 
+@pytest.mark.processes
 def test_cli_missing_config_file_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedddp", "nope.toml"], capture_output=True,
                           text=True, cwd=tmp_path)
@@ -89,6 +91,7 @@ def test_every_shipped_config_is_valid(name):
     assert cfg.run.rounds > 0
 
 
+@pytest.mark.processes
 def test_cuda_without_a_gpu_is_a_config_error(tmp_path):
     import torch
     if torch.cuda.is_available():
@@ -127,14 +130,17 @@ def test_auto_weighting_resolves_to_the_papers(name):
                                   *extra]).algorithm.weighting == choice
 
 
-def test_config_toml_and_start_line_show_the_resolved_algorithm(tmp_path):
+@pytest.mark.e2e
+def test_config_toml_and_start_line_show_the_resolved_algorithm(tmp_path, capsys):
     """The start line names the local rule as well as the server rule (a FedGAM run used to say
     only "fedavg aggregation") and the weighting as resolved; config.toml never says auto."""
-    from fedrun import run_fedddp
-    proc = run_fedddp(["algorithm.name=fedgam", "run.rounds=1", "run.ckpt_every=0", f"run.out_dir={tmp_path}",
-                       "run.progress=true"])
-    start = [line for line in proc.stderr.splitlines() if line.startswith("fedddp:") and "rank(s) on" in line]
-    assert len(start) == 1, proc.stderr
+    from fedrun import run_here
+    capsys.readouterr()
+    run_here(["algorithm.name=fedgam", "run.rounds=1", "run.ckpt_every=0", f"run.out_dir={tmp_path}",
+              "run.progress=true"])
+    stderr = capsys.readouterr().err
+    start = [line for line in stderr.splitlines() if line.startswith("fedddp:") and "rank(s) on" in line]
+    assert len(start) == 1, stderr
     assert "fedgam: gam clients, fedavg server rule, uniform weights; aggregation:" in start[0], start[0]
     written = (tmp_path / "config.toml").read_text()
     assert 'weighting = "uniform"' in written and 'weighting = "auto"' not in written
@@ -189,6 +195,7 @@ def test_collective_timeout_must_be_positive():
 
 
 @pytest.mark.parametrize("kind", ["directory", "binary", "ls"])
+@pytest.mark.processes
 def test_unreadable_config_file_is_one_line_exit_2(tmp_path, kind):
     """A directory or a binary file as the config ended in IsADirectoryError /
     UnicodeDecodeError tracebacks (exit 1)."""
@@ -203,6 +210,7 @@ def test_unreadable_config_file_is_one_line_exit_2(tmp_path, kind):
     assert proc.stderr.startswith(f"fedddp: error: {path}: "), proc.stderr
 
 
+@pytest.mark.processes
 def test_cli_out_of_range_seed_exits_2_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedddp", "run.seed=99999999999999999999999",
                            f"run.out_dir={tmp_path}"], capture_output=True, text=True, cwd=tmp_path)

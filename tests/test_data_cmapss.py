@@ -28,7 +28,7 @@ from fedddp.algorithms import build_model
 from fedddp.round import evaluate, run
 from fedddp.tasks import get as get_task
 
-from fedrun import REPO, assert_same_state, final_state, metrics, run_fedddp
+from fedrun import REPO, assert_same_state, final_state, metrics, run_fedddp, run_here
 
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
 COLUMNS = ["unit", "cycle", "setting1", "setting2", "setting3"] + [f"s{i}" for i in range(1, 22)]
@@ -139,6 +139,7 @@ def test_constant_sensor_is_centred_not_divided_by_zero(tmp_path):
 
 # -- user errors ------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_wrong_num_clients_names_the_key_and_the_value(cmapss_root, capsys, tmp_path):
     with pytest.raises(ConfigError, match=r"data.num_clients: CMAPSS FD001 has 8 training engines, "
                                           r"2 per client; set data.num_clients = 4"):
@@ -150,6 +151,7 @@ def test_wrong_num_clients_names_the_key_and_the_value(cmapss_root, capsys, tmp_
     assert status == 2 and len(err.strip().splitlines()) == 1 and "data.num_clients = 4" in err
 
 
+@pytest.mark.processes
 def test_missing_file_exits_3_naming_folder_and_file(tmp_path):
     folder = make_cmapss(tmp_path / "data")
     os.remove(folder / "RUL_FD001.txt")
@@ -262,6 +264,7 @@ ALGORITHMS = ["fedavg", "fedprox", "fedmom", "fedcong", "fedgma", "cgw", "scaffo
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.e2e
 def test_every_algorithm_trains_the_regressor(cmapss_root, tmp_path, name):
     cfg = cfg_for(cmapss_root, 4, f"algorithm.name={name}", "run.rounds=2", "run.progress=false",
                   "train.lr=0.1", f"run.out_dir={tmp_path}")
@@ -272,7 +275,7 @@ def test_every_algorithm_trains_the_regressor(cmapss_root, tmp_path, name):
     assert all(r["test_accuracy"] is None for r in rows)
 
 
-# -- end to end: python -m fedddp and torchrun --------------------------------------------------
+# -- end to end: one rank in this process, two under torchrun ----------------------------------
 
 E2E = ["data.num_clients=4", "run.clients_per_round=4", "run.rounds=5", "train.lr=0.1", "run.ckpt_every=0"]
 
@@ -280,17 +283,18 @@ E2E = ["data.num_clients=4", "run.clients_per_round=4", "run.rounds=5", "train.l
 @pytest.fixture(scope="module")
 def fedcong_single(cmapss_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("fedcong1")
-    run_fedddp(E2E + [f"data.root={cmapss_root}", f"run.out_dir={out}"],
+    run_here(E2E + [f"data.root={cmapss_root}", f"run.out_dir={out}"],
                config=os.path.join(REPO, "configs", "fedcong_cmapss.toml"))
     return out
 
 
 @pytest.mark.parametrize("name", ["fedcong", "fedmom"])
+@pytest.mark.e2e
 def test_paper_configs_run_and_record_test_mae(cmapss_root, fedcong_single, tmp_path, name):
     out = fedcong_single
     if name == "fedmom":
         out = tmp_path / name
-        run_fedddp(E2E + [f"data.root={cmapss_root}", f"run.out_dir={out}"],
+        run_here(E2E + [f"data.root={cmapss_root}", f"run.out_dir={out}"],
                    config=os.path.join(REPO, "configs", "fedmom_cmapss.toml"))
     rows = metrics(out)
     assert [r["round"] for r in rows] == [1, 2, 3, 4, 5]
@@ -302,6 +306,8 @@ def test_paper_configs_run_and_record_test_mae(cmapss_root, fedcong_single, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_world_size_invariance_regression(cmapss_root, fedcong_single, tmp_path):
     run_fedddp(E2E + [f"data.root={cmapss_root}", f"run.out_dir={tmp_path}"], nproc=2,
                config=os.path.join(REPO, "configs", "fedcong_cmapss.toml"))

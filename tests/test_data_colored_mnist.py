@@ -12,7 +12,7 @@ from fedddp import checks, config
 from fedddp.data import build, colored, partition
 from fedddp.data.partition import holdout_split
 from fedddp.data.idx import load
-from fedrun import REPO, make_mnist_like, metrics, run_fedddp, write_idx
+from fedrun import REPO, make_mnist_like, metrics, run_here, write_idx
 
 FEDGMA_COLORED = os.path.join(REPO, "configs", "fedgma_colored_mnist.toml")
 REAL_MNIST = "/work/shared/data"
@@ -156,10 +156,11 @@ def test_flip_range_is_validated():
         checks.load(None, ["data.name=colored_mnist", "data.colored_test_flip=1.5"])
 
 
+@pytest.mark.e2e
 def test_fedgma_on_colored_mnist_end_to_end(tmp_path):
     make_mnist_like(str(tmp_path / "data"), num=500)
     out = tmp_path / "out"
-    run_fedddp([f"data.root={tmp_path / 'data'}", f"run.out_dir={out}", "run.rounds=2", "run.ckpt_every=0",
+    run_here([f"data.root={tmp_path / 'data'}", f"run.out_dir={out}", "run.rounds=2", "run.ckpt_every=0",
                 "train.local_epochs=1", "model.name=mlp", "model.hidden=16"], config=FEDGMA_COLORED)
     rows = metrics(out)
     assert [r["round"] for r in rows] == [1, 2]

@@ -13,7 +13,7 @@ from fedddp import checks, config
 from fedddp.__main__ import main
 from fedddp.data import build, leaf
 from fedddp.errors import ConfigError, DataError
-from fedrun import REPO, metrics, run_fedddp
+from fedrun import REPO, metrics, run_fedddp, run_here
 
 CGW_FEMNIST = os.path.join(REPO, "configs", "cgw_femnist.toml")
 # (file index, writers with their train and test sample counts); the files are named like LEAF's,
@@ -129,6 +129,7 @@ def test_empty_split_folder_and_user_split_are_data_errors(tmp_path):
         build(femnist_cfg(tmp_path), seed=0, owned_ids=[0])
 
 
+@pytest.mark.processes
 def test_missing_folder_exits_3_with_one_line(tmp_path):
     missing = run_fedddp([f"data.root={tmp_path}", f"run.out_dir={tmp_path / 'out'}"],
                          config=CGW_FEMNIST, check=False, timeout=120)
@@ -146,10 +147,11 @@ def test_natural_partition_without_natural_clients_exits_2(capsys):
     assert "set data.partition = natural" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_cgw_on_femnist_end_to_end(tmp_path):
     write_leaf(tmp_path / "data")
     out = tmp_path / "out"
-    run_fedddp([f"data.root={tmp_path / 'data'}", f"run.out_dir={out}", "data.num_clients=5", "run.rounds=2",
+    run_here([f"data.root={tmp_path / 'data'}", f"run.out_dir={out}", "data.num_clients=5", "run.rounds=2",
                 "run.clients_per_round=3", "run.ckpt_every=0", "model.name=logistic"], config=CGW_FEMNIST)
     rows = metrics(out)
     assert [r["round"] for r in rows] == [1, 2]
@@ -190,6 +192,7 @@ def test_float_label_is_refused_not_truncated(tmp_path):
     assert build(femnist_cfg(tmp_path), seed=0, owned_ids=[0]).train[0].y[1].item() == 3
 
 
+@pytest.mark.processes
 def test_nan_pixel_exits_3_in_one_line(tmp_path):
     write_leaf(tmp_path / "data")
     path = tmp_path / "data" / "FEMNIST" / "train" / "all_data_2_niid_0_keep_0_train_9.json"

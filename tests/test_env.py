@@ -5,6 +5,9 @@ import pytest
 from fedddp import env
 from fedddp.errors import ConfigError
 
+# Unit tests of the resolution: no process, not even the scontrol that expands a node list.
+pytestmark = pytest.mark.usefixtures("without_scontrol")
+
 
 def test_single_process():
     p = env.resolve({})

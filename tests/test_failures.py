@@ -9,16 +9,18 @@ import sys
 import pytest
 
 from fedddp.comm import STALLED_EXIT
-from fedrun import QUICKSTART, REPO, SLOW, assert_same_state, final_state, free_port, run_fedddp, wait_for_rounds
+from fedrun import QUICKSTART, REPO, SLOW, assert_same_state, final_state, free_port, run_here, wait_for_rounds
 
 ARGS = ["run.rounds=3", "run.eval_every=3", "run.progress=false"]
 
 
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_torchrun_world_of_one_matches_the_single_process_run(tmp_path):
     """torchrun --nproc_per_node=1 is distributed with a world of 1: Comm.gather_rows had no
     gather buffer there and crashed ('NoneType' object has no attribute 'chunk')."""
     single, one = tmp_path / "single", tmp_path / "torchrun1"
-    run_fedddp(ARGS + [f"run.out_dir={single}"])
+    run_here(ARGS + [f"run.out_dir={single}"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
            "-m", "fedddp", QUICKSTART, *ARGS, f"run.out_dir={one}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -41,6 +43,7 @@ def start_ranks(tmp_path, args, world=2):
 
 
 @pytest.mark.parametrize("world,stopped", [(2, 1), (3, 0)])
+@pytest.mark.processes
 def test_a_stopped_rank_is_named_and_ends_the_run(tmp_path, world, stopped):
     """A SIGSTOPped rank used to hang the others silently for the fixed 30-minute collective
     timeout. With run.collective_timeout_s the live ranks end the run with exit STALLED_EXIT
@@ -70,6 +73,7 @@ def test_a_stopped_rank_is_named_and_ends_the_run(tmp_path, world, stopped):
             log.close()
 
 
+@pytest.mark.processes
 def test_check_mode_loads_config_and_data_and_writes_nothing(tmp_path):
     """``python -m fedddp --check``: what the launchers run before any rank starts."""
     out = tmp_path / "out"
@@ -84,6 +88,7 @@ def test_check_mode_loads_config_and_data_and_writes_nothing(tmp_path):
     assert proc.returncode == 3 and proc.stderr.count("\n") == 1 and "FEMNIST not found" in proc.stderr
 
 
+@pytest.mark.processes
 def test_a_rank_that_never_arrives_is_one_line_exit_5(tmp_path):
     """Rank 0 of two started alone used to wait the fixed 30 minutes and end in a DistStoreError
     traceback; it now waits run.collective_timeout_s and says so in one line."""

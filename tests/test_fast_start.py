@@ -14,6 +14,7 @@ from fedddp.client.optim import _Adam, _SGD
 from fedrun import QUICKSTART, REPO
 
 
+@pytest.mark.processes
 def test_quickstart_round_imports_neither_torchvision_nor_dynamo(tmp_path):
     """Guards the slow start: fedddp.models imported torchvision (which pulls in torch._dynamo)
     for every model, and the first torch.optim step imported torch._dynamo. TensorBoard is

@@ -1,6 +1,7 @@
 """FedAvg with one full-batch gradient step per client is one centralised gradient step on the
 union of the clients' data (weights by sample count make the mean of means the global mean)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +16,7 @@ from fedddp.round import run
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
+@pytest.mark.e2e
 def test_one_full_batch_step_equals_centralised_step(tmp_path):
     lr = 0.5
     cfg = checks.load(None, ["data.num_clients=8", "run.clients_per_round=8", "run.rounds=1",

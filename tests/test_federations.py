@@ -26,7 +26,7 @@ from fedddp.errors import ConfigError
 from fedddp.round import run
 from fedddp.strategies import dpfedavg, kernels
 
-from fedrun import QUICKSTART, assert_same_state, final_state, metrics, run_fedddp
+from fedrun import QUICKSTART, assert_same_state, final_state, metrics, run_fedddp_each, run_here, selected
 
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
 BASE = ["data.num_clients=10", "run.clients_per_round=5", "model.name=mlp", "model.hidden=16",
@@ -68,15 +68,30 @@ UNEVEN = ["run.rounds=4", "train.local_epochs=3", "train.local_work_min=1", "run
           "run.deadline_steps=40", "run.eval_every=2"]
 
 
+def uneven(name: str) -> list[str]:
+    return UNEVEN + [f"algorithm.name={name}"] + (["algorithm.dp_clip=0.5"] if name == "dpfedavg" else [])
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory) -> dict:
+    """{rule: out_dir} of the selected rules' runs on 2 ranks, under one torchrun."""
+    names = selected(request, "test_drawn_work_and_dropouts_are_world_size_invariant", "name")
+    root = tmp_path_factory.mktemp("two_ranks")
+    if names:
+        run_fedddp_each([uneven(name) + [f"run.out_dir={root / name}"] for name in names], nproc=2)
+    return {name: root / name for name in names}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fednova", "dpfedavg"])
-def test_drawn_work_and_dropouts_are_world_size_invariant(tmp_path, name):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_drawn_work_and_dropouts_are_world_size_invariant(tmp_path, name, two_ranks):
     """Guards against draws that depend on the rank (or on the clients a rank owns) and against
     dropped rows reaching the server rule in a rank-dependent order."""
-    args = UNEVEN + [f"algorithm.name={name}"] + (["algorithm.dp_clip=0.5"] if name == "dpfedavg" else [])
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_fedddp(args + [f"run.out_dir={one}"], nproc=1)
-    run_fedddp(args + [f"run.out_dir={two}"], nproc=2)
+    args = uneven(name)
+    one, two = tmp_path / "one", two_ranks[name]
+    run_here(args + [f"run.out_dir={one}"])
     assert_same_state(final_state(one), final_state(two))
     lines_1, lines_2 = metrics(one), metrics(two)
     assert [(m["num_reports"], m["dropped"]) for m in lines_1] == [(m["num_reports"], m["dropped"]) for m in lines_2]
@@ -89,6 +104,7 @@ def test_drawn_work_and_dropouts_are_world_size_invariant(tmp_path, name):
     assert at_random and all_dropped - at_random
 
 
+@pytest.mark.e2e
 def test_fednova_follows_the_steps_actually_taken(tmp_path):
     equal = ["train.local_steps=4"]
     uneven = ["train.local_steps=4", "train.local_work_min=1"]
@@ -102,6 +118,7 @@ def test_fednova_follows_the_steps_actually_taken(tmp_path):
     assert all(1 <= t <= 4 for t in tau_eff) and len(set(tau_eff)) > 1
 
 
+@pytest.mark.e2e
 def test_round_without_reports_leaves_model_and_state_unchanged(tmp_path, monkeypatch):
     """Guards against a round with zero reports aggregating stale or padding rows (or dividing
     by a zero weight sum): FedMom's momentum state must stay as it was, too."""
@@ -123,6 +140,7 @@ def test_round_without_reports_leaves_model_and_state_unchanged(tmp_path, monkey
         assert unchanged == (r in empty), r
 
 
+@pytest.mark.e2e
 def test_zero_report_round_says_so_on_one_process(tmp_path):
     out = tmp_path / "run"
     start = run_in_process(tmp_path / "zero", "run.dropout=1.0", rounds=1)
@@ -215,6 +233,7 @@ def test_dp_neutral_setting_is_fedavg_bitwise(rule_form):
     assert torch.equal(dp, fedavg)
 
 
+@pytest.mark.e2e
 def test_dp_neutral_setting_is_fedavg_bitwise_end_to_end(tmp_path):
     fedavg = run_in_process(tmp_path / "a", "algorithm.name=fedavg", "algorithm.weighting=uniform")
     neutral = run_in_process(tmp_path / "d", "algorithm.name=dpfedavg", "algorithm.dp_clip=1e9",
@@ -224,6 +243,7 @@ def test_dp_neutral_setting_is_fedavg_bitwise_end_to_end(tmp_path):
     assert (noisy - fedavg).abs().max() > 1e-3  # the comparison can fail
 
 
+@pytest.mark.e2e
 def test_dp_with_dropouts_resumes_exactly(tmp_path):
     """Guards against noise or accounting that restart with the process: the aggregation count
     that seeds the noise and feeds the accountant is server state, checkpointed."""
@@ -254,6 +274,7 @@ def accountant_epsilon(noise, num_sampled, num_clients, steps, delta, sampling):
     return accountant.get_epsilon(delta)
 
 
+@pytest.mark.e2e
 def test_reported_epsilon_is_the_accountants(tmp_path):
     """Every round's epsilon is dp-accounting's for K of N clients sampled without replacement
     (what fedddp does), the noise multiplier and the aggregations so far (a round without

@@ -97,6 +97,7 @@ def test_a_second_compile_reuses_the_cached_library(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == built and os.path.getmtime(tmp_path / built[0]) == mtime
 
 
+@pytest.mark.processes
 def test_without_a_compiler_the_rules_fall_back_to_torch_ops(tmp_path):
     """No compiler: one line on stderr, then the torch-op form, with the same result as when
     it is chosen on purpose."""

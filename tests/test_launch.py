@@ -16,7 +16,7 @@ import torch
 
 from fedddp import env, slurm
 from fedddp.sampling import layout_rows, owned_clients, owner, sample_clients
-from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, metrics, run_fedddp
+from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, metrics, run_here
 from fedrun import SLOW, descendants, environ_of, wait_for_rounds
 
 ARGS = ["run.rounds=4", "run.clients_per_round=7", "run.eval_every=2", "run.ckpt_every=2",
@@ -25,9 +25,10 @@ ARGS = ["run.rounds=4", "run.clients_per_round=7", "run.eval_every=2", "run.ckpt
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted one-process run that every launcher must reproduce bitwise."""
+    """The uninterrupted one-rank run that every launcher must reproduce bitwise (in this process:
+    the launchers are what the tests start)."""
     out = tmp_path_factory.mktemp("reference")
-    run_fedddp(ARGS + [f"run.out_dir={out}"])
+    run_here(ARGS + [f"run.out_dir={out}"])
     return out
 
 
@@ -58,6 +59,8 @@ def local_submit(tmp_path, run_args, tasks=2):
 # -- submitit ------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_submitit_local_executor_runs_one_rank_per_task(tmp_path, reference, local_job_env):
     out = tmp_path / "out"
     job = local_submit(tmp_path, ARGS + [f"run.out_dir={out}"])
@@ -81,6 +84,7 @@ def test_checkpoint_hook_resubmits_the_same_run_resuming():
     assert cloudpickle.loads(cloudpickle.dumps(again)).function.argv == again.function.argv
 
 
+@pytest.mark.e2e
 def test_preempted_task_resumes_exactly_through_its_checkpoint_hook(tmp_path, reference):
     """The requeue path without a scheduler: a task stopped after round 3 (its last checkpoint),
     then the DelayedSubmission its checkpoint() returns, as submitit would requeue it."""
@@ -96,6 +100,8 @@ def test_preempted_task_resumes_exactly_through_its_checkpoint_hook(tmp_path, re
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_submitit_requeue_on_preemption_signal_resumes_exactly(tmp_path, local_job_env, slow_reference):
     """The real path: the scheduler signals every task (USR2, as Slurm does before preemption
     or the time limit); submitit calls checkpoint() on rank 0 and requeues; the requeued tasks
@@ -137,6 +143,7 @@ def test_submit_rejects_missing_data_before_queueing_with_status_3(tmp_path, cap
     assert not logs.exists()
 
 
+@pytest.mark.processes
 def test_submit_wait_returns_the_ranks_status_and_line(tmp_path, local_job_env, capsys):
     """With --wait, a task that failed came back as status 1 and submitit's traceback; now it is
     fedddp's status and line (the data check skipped, so the ranks meet the missing data)."""
@@ -172,6 +179,7 @@ def submit_command(command: str, *args: str, timeout: int = 120) -> subprocess.C
 
 
 @pytest.mark.parametrize("command", ["script", "module"])
+@pytest.mark.processes
 def test_submit_commands_keep_the_interface_and_statuses(tmp_path, command):
     """launch/submit.py is a thin script over fedddp.slurm (the package's module, which
     fedddp.study.sweep --slurm uses too): the same flags, lines and statuses through either."""
@@ -187,6 +195,7 @@ def test_submit_commands_keep_the_interface_and_statuses(tmp_path, command):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_module_command_job_runs_in_a_worker(tmp_path):
     """``python -m fedddp.slurm`` runs as __main__: the task it submits must still be
     fedddp.slurm.Trainer, which submitit's worker can unpickle (not __main__.Trainer)."""
@@ -215,6 +224,7 @@ def slurm_task(procid: int, nodes: int, per_node: int) -> dict:
             "SLURM_JOB_ID": "4242"}
 
 
+@pytest.mark.usefixtures("without_scontrol")
 def test_two_node_slurm_layout_resolves_rank_world_and_master():
     resolved = [env.resolve(slurm_task(p, nodes=2, per_node=4)) for p in range(8)]
     assert [(p.rank, p.world_size, p.local_rank) for p in resolved] == [(r, 8, r % 4) for r in range(8)]
@@ -240,6 +250,7 @@ def test_submitit_task_exports_the_same_rendezvous_as_slurm(monkeypatch):
 
 
 @pytest.mark.parametrize("nodes,per_node", [(1, 8), (2, 4), (4, 2)])
+@pytest.mark.usefixtures("without_scontrol")
 def test_client_ownership_and_report_order_ignore_node_layout(nodes, per_node):
     """The same 8 ranks on 1, 2 or 4 nodes own the same clients and gather reports in the
     same order: both depend on the global rank and world size only."""
@@ -307,6 +318,7 @@ def slurm_job(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_thesis_template_one_node_one_rank_per_gpu(tmp_path, reference, slurm_job):
     out = tmp_path / "out"
     _, srun_line = slurm_job("thesis_4gpu.sbatch", [QUICKSTART, *ARGS, "run.device=cpu", f"run.out_dir={out}"],
@@ -317,6 +329,7 @@ def test_thesis_template_one_node_one_rank_per_gpu(tmp_path, reference, slurm_jo
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_multinode_template_two_nodes_and_requeue(tmp_path, reference, slurm_job):
     """Two nodes (one torchrun each, one rank per node, c10d rendezvous on the first node);
     stopped after round 2, then requeued by Slurm (SLURM_RESTART_COUNT=1): the template adds
@@ -336,6 +349,7 @@ def test_multinode_template_two_nodes_and_requeue(tmp_path, reference, slurm_job
 
 
 @pytest.mark.parametrize("template", ["thesis_4gpu.sbatch", "multinode.sbatch"])
+@pytest.mark.processes
 def test_templates_exit_2_for_a_config_error_before_srun(tmp_path, slurm_job, template):
     """The templates returned torchrun's 1 inside its banner; a config error is now fedddp's one
     line and status 2, found before srun starts anything."""
@@ -345,6 +359,7 @@ def test_templates_exit_2_for_a_config_error_before_srun(tmp_path, slurm_job, te
 
 
 @pytest.mark.parametrize("template", ["thesis_4gpu.sbatch", "multinode.sbatch"])
+@pytest.mark.processes
 def test_templates_keep_a_ranks_data_error_status(tmp_path, slurm_job, template):
     """Check skipped (CHECK=0): the ranks meet the missing data under torchrun, which says 1;
     the template reads the ranks' status file and ends with fedddp's line and status 3."""
@@ -369,6 +384,7 @@ def local_sh(args, **env):
     (["run.rounds=0"], 2, "run.rounds: must be > 0"),
     (["data.name=cmapss", "model.name=ffnn", "data.root=/nonexistent"], 3, "CMAPSS files missing"),
 ])
+@pytest.mark.processes
 def test_local_wrapper_exits_with_fedddps_status_and_line(args, status, fragment, tmp_path):
     """Under torchrun a config or data error came back as status 1 inside torchrun's failure
     banner; launch/local.sh checks first: fedddp's one line, fedddp's status, no rank started."""
@@ -378,6 +394,7 @@ def test_local_wrapper_exits_with_fedddps_status_and_line(args, status, fragment
     assert len(lines) == 1 and lines[0].startswith("fedddp: error: ") and fragment in lines[0], proc.stderr[-4000:]
 
 
+@pytest.mark.processes
 def test_local_wrapper_keeps_a_ranks_status_after_torchrun(tmp_path):
     """CHECK=0: the ranks meet the missing data themselves; torchrun says 1, the wrapper reads the
     status the ranks left in FEDDDP_STATUS_FILE and ends with fedddp's line and status 3."""
@@ -387,6 +404,7 @@ def test_local_wrapper_keeps_a_ranks_status_after_torchrun(tmp_path):
     assert last.startswith("fedddp: error: ") and "CMAPSS files missing" in last, proc.stderr[-4000:]
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_local_wrapper_starts_two_ranks_without_gpus(tmp_path, reference):
     assert torch.cuda.device_count() == 0 or pytest.skip("this machine has GPUs")
     out = tmp_path / "out"
@@ -399,6 +417,7 @@ def test_local_wrapper_starts_two_ranks_without_gpus(tmp_path, reference):
     assert_same_state(final_state(reference), final_state(out))
 
 
+@pytest.mark.processes
 def test_local_wrapper_names_the_rank_whose_data_failed(tmp_path):
     """Only rank 1's client has a NaN pixel: rank 1 names the file, rank 0 only relays that
     another rank failed. The wrapper ends with rank 1's line, not the relay."""

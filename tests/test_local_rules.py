@@ -59,6 +59,7 @@ NEUTRAL = [("fedprox", ["algorithm.prox_mu=0"]),
 
 
 @pytest.mark.parametrize("name,neutral", NEUTRAL, ids=[n for n, _ in NEUTRAL])
+@pytest.mark.e2e
 def test_neutral_setting_equals_fedavg_bitwise(tmp_path, name, neutral):
     # FedAvg with the algorithm's own client weights (FedSAM's and FedGAM's are uniform)
     fedavg = final_global(tmp_path, "fedavg", f"algorithm.weighting={weighting_of_name(name)}")
@@ -68,6 +69,7 @@ def test_neutral_setting_equals_fedavg_bitwise(tmp_path, name, neutral):
     assert (default - fedavg).abs().max() > 1e-5
 
 
+@pytest.mark.e2e
 def test_moon_first_round_has_no_contrastive_term(tmp_path):
     """Round 1: no client has a previous model, so mu does not matter (projection head on);
     later rounds it does."""
@@ -78,12 +80,14 @@ def test_moon_first_round_has_no_contrastive_term(tmp_path):
 
 
 @pytest.mark.parametrize("name,twin", [("scaffold", "fedavg"), ("fedgam_cv", "fedgam")])
+@pytest.mark.e2e
 def test_control_variates_first_round_equals_base(tmp_path, name, twin):
     uniform = "algorithm.weighting=uniform"  # SCAFFOLD's and FedGAM's own; FedAvg's is samples
     assert torch.equal(final_global(tmp_path, name, rounds=1), final_global(tmp_path, twin, uniform, rounds=1))
     assert (final_global(tmp_path, name) - final_global(tmp_path, twin, uniform)).abs().max() > 1e-5
 
 
+@pytest.mark.e2e
 def test_fednova_equal_steps_equals_fedavg(tmp_path):
     steps = "train.local_steps=4"
     fedavg = final_global(tmp_path, "fedavg", steps)
@@ -491,6 +495,7 @@ def test_fedsmoo_server_twin():
 
 # -- composition and configuration errors ------------------------------------------------------
 
+@pytest.mark.e2e
 def test_composition_runs_and_differs(tmp_path):
     """FedProx clients under FedGMA's server: the local rule really is prox (not the name's)."""
     gma = final_global(tmp_path, "fedgma", "algorithm.server_lr=0.5", rounds=2)
@@ -548,6 +553,7 @@ def test_impossible_combinations_are_config_errors(overrides, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+@pytest.mark.e2e
 def test_scaffold_option_one_end_to_end(tmp_path):
     """Through the round loop: round 1 (c = c_k = 0) is option II's bit for bit, later rounds
     differ (the controls really are other ones), and momentum trains to a finite model."""
@@ -562,6 +568,7 @@ def test_scaffold_option_one_accepts_any_optimizer():
         checks.load(None, ["algorithm.name=scaffold", "algorithm.scaffold_control=I", *overrides])
 
 
+@pytest.mark.e2e
 def test_auto_weighting_is_the_papers(tmp_path):
     """FedGAM's Alg. 1 averages uniformly: auto must give uniform's bits, not the sample-count
     weights every algorithm used to get (the synthetic clients have unequal n_k)."""
@@ -570,6 +577,7 @@ def test_auto_weighting_is_the_papers(tmp_path):
     assert (auto - final_global(tmp_path, "fedgam", "algorithm.weighting=samples", rounds=2)).abs().max() > 1e-5
 
 
+@pytest.mark.processes
 def test_bad_pair_exits_2_naming_both(tmp_path):
     proc = run_fedddp(["algorithm.name=fedmom", "algorithm.local=scaffold", f"run.out_dir={tmp_path}"], check=False)
     assert proc.returncode == 2, proc.stderr

@@ -71,6 +71,7 @@ def cgw_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.e2e
 def test_cgw_csv_holds_the_numbers_of_metrics_jsonl(cgw_run):
     assert_csv_is_jsonl(cgw_run)
     header = list(csv_rows(cgw_run)[0])
@@ -97,6 +98,8 @@ def test_cgw_clients_rows_and_corrective_weights(cgw_run):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_two_ranks_write_the_same_clients_rows(cgw_run, tmp_path):
     out = tmp_path / "two"
     run_fedddp(CGW[1:] + [f"run.out_dir={out}"], nproc=2)
@@ -107,6 +110,7 @@ def test_two_ranks_write_the_same_clients_rows(cgw_run, tmp_path):
     assert without(csv_rows(out), TIMINGS | {"test_loss"}) == without(csv_rows(cgw_run), TIMINGS | {"test_loss"})
 
 
+@pytest.mark.e2e
 def test_feder_clients_rows_hold_layer_weights(tmp_path):
     root = tmp_path / "data"
     make_mnist_like(str(root), num=300)
@@ -125,6 +129,7 @@ def test_feder_clients_rows_hold_layer_weights(tmp_path):
         torch.testing.assert_close(alpha_KL.sum(0), torch.ones(2, dtype=alpha_KL.dtype))
 
 
+@pytest.mark.e2e
 def test_resume_cuts_every_file_back_to_the_checkpoint(tmp_path):
     """A run past its last checkpoint (round 3 after the checkpoint of round 2), killed in the
     middle of a write (a last line cut short), then resumed: the lines of round 3 are dropped
@@ -152,6 +157,7 @@ def test_resume_cuts_every_file_back_to_the_checkpoint(tmp_path):
     assert not (stopped / "tensorboard").exists()
 
 
+@pytest.mark.e2e
 def test_tensorboard_events_hold_metrics_jsonl(tmp_path):
     pytest.importorskip("tensorboard")
     out = tmp_path / "tb"
@@ -160,6 +166,7 @@ def test_tensorboard_events_hold_metrics_jsonl(tmp_path):
     assert {"train_loss", "test_accuracy", "aggregate_s", "cgw_c"} <= tensorboard_scalars(out).keys()
 
 
+@pytest.mark.e2e
 def test_tensorboard_without_the_extra_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
@@ -174,6 +181,7 @@ def test_tensorboard_without_the_extra_is_one_line(tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.parametrize("name", ["metrics.csv", "clients.jsonl"])
+@pytest.mark.e2e
 def test_full_disk_while_writing_a_log_is_one_line(tmp_path, capsys, monkeypatch, name):
     out = tmp_path / "o"
 

@@ -12,8 +12,6 @@ Legend: B clients side by side, P flat elements.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,7 +23,8 @@ from fedddp.errors import ConfigError
 from fedddp.round import run
 from fedddp.sampling import assign_groups
 
-from fedrun import assert_same_state, final_state, make_mnist_like, run_fedddp
+from fedrun import QUICKSTART, assert_same_state, final_state, is_selected, make_mnist_like, run_fedddp_each
+from fedrun import run_here, selected
 from test_data_cmapss import make_cmapss
 
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
@@ -54,6 +53,7 @@ def assert_close(tmp_path, overrides: list[str], parallel: int = 4, tol: float =
     return sequential_P
 
 
+@pytest.mark.e2e
 def test_the_comparison_can_fail(tmp_path):
     """The tolerance is far below what training changes: one round more moves the model by more
     than 100 times it, so a batched path that lost or repeated steps would not pass."""
@@ -72,6 +72,7 @@ RULES = [("fedavg", []), ("fedprox", ["algorithm.prox_mu=0.5"]), ("scaffold", []
 
 
 @pytest.mark.parametrize("name,extra", RULES, ids=[" ".join([n] + e) for n, e in RULES])
+@pytest.mark.e2e
 def test_every_batched_rule_equals_sequential(tmp_path, name, extra):
     """Each local rule's batched direction and state (SCAFFOLD's c_k, FedSMOO's duals, MOON's
     previous model and its contrastive term from round 2 on, with and without a projection head), the
@@ -88,18 +89,21 @@ OPTIMIZERS = [["train.optimizer=sgd"], ["train.optimizer=sgd", "train.momentum=0
 
 
 @pytest.mark.parametrize("extra", OPTIMIZERS, ids=[" ".join(e) for e in OPTIMIZERS])
+@pytest.mark.e2e
 def test_optimizers_and_schedules_equal_sequential(tmp_path, extra):
     """SGD (momentum, weight decay), Adam, and a learning rate that changes between local epochs:
     each client's own epoch clock, so clients of a group step at different rates."""
     assert_close(tmp_path, SYNTHETIC + ["model.name=logistic", *extra])
 
 
+@pytest.mark.e2e
 def test_deadline_stragglers_leave_their_group(tmp_path):
     """A client past run.deadline_steps (the 2,199-sample one: 88 steps) does not train and
     takes no place in its group; the others of its group train as they would sequentially."""
     assert_close(tmp_path, SYNTHETIC + ["model.name=logistic", "run.deadline_steps=30"])
 
 
+@pytest.mark.e2e
 def test_uneven_local_work_freezes_finished_clients(tmp_path):
     """A client that has done its drawn local epochs keeps its parameters and momentum while the
     rest of its group goes on (stepping it with a zero gradient would still move it through
@@ -135,6 +139,7 @@ def cnn_overrides(root) -> list[str]:
 
 
 @pytest.mark.parametrize("extra,tol", CNN_CASES, ids=["feder", "augment"])
+@pytest.mark.e2e
 def test_cnn_equals_sequential(tmp_path, mnist_root, extra, tol):
     """Seed 002's CNN on images: with FedER's effective ranks computed from the batched models,
     and with augmentation, whose draws interleave with each client's shuffling."""
@@ -193,6 +198,7 @@ def test_augmented_batches_are_the_sequential_paths():
             assert torch.equal(x, sequential[b][step]), (b, step)
 
 
+@pytest.mark.e2e
 def test_ffnn_regressor_equals_sequential(tmp_path):
     make_cmapss(tmp_path)
     assert_close(tmp_path, ["data.name=cmapss", f"data.root={tmp_path}", "data.num_clients=4",
@@ -200,6 +206,7 @@ def test_ffnn_regressor_equals_sequential(tmp_path):
                             "train.lr=0.1", "run.eval_every=100", "run.progress=false"])
 
 
+@pytest.mark.e2e
 def test_resume_continues_exactly_side_by_side(tmp_path):
     """Nothing of the batched path outlives a round (stacks and optimizer states are per round),
     so stopping after round 2 and resuming ends with the uninterrupted run's model, bit for bit;
@@ -225,13 +232,12 @@ def test_groups_do_not_depend_on_the_world_size():
         assert all(p == sorted(p) for p in per_rank)
 
 
-def test_world_size_invariance_bitwise_for_fixed_b(tmp_path):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_world_size_invariance_bitwise_for_fixed_b(tmp_path, two_ranks):
     """1 and 2 gloo ranks give the same final.pt bit for bit at parallel_clients = 3."""
-    args = ["model.name=mlp", "model.hidden=16", "run.rounds=2", "run.parallel_clients=3", "data.num_clients=12",
-            "run.clients_per_round=6", "train.batch_size=50", "train.local_work_min=1", "train.local_epochs=2"]
-    run_fedddp(args + [f"run.out_dir={tmp_path / 'one'}"])
-    run_fedddp(args + [f"run.out_dir={tmp_path / 'two'}"], nproc=2)
-    assert_same_state(final_state(tmp_path / "one"), final_state(tmp_path / "two"))
+    run_here(TWO_RANK_RUNS["fixed_b"] + [f"run.out_dir={tmp_path / 'one'}"], config=None)
+    assert_same_state(final_state(tmp_path / "one"), final_state(two_ranks["fixed_b"]))
 
 
 @pytest.mark.parametrize("overrides,words", [
@@ -332,6 +338,7 @@ BN_CASES = [["algorithm.name=fedavg"], ["train.momentum=0.9", "train.weight_deca
 
 
 @pytest.mark.parametrize("extra", BN_CASES, ids=[" ".join(e) for e in BN_CASES])
+@pytest.mark.e2e
 def test_batch_norm_model_equals_sequential(tmp_path, extra):
     """Each client's own running statistics (updated once a step from its own samples, the
     extra pass of SAM/GAM/FedSMOO leaving them, MOON's global and previous models in eval mode on
@@ -341,6 +348,7 @@ def test_batch_norm_model_equals_sequential(tmp_path, extra):
     assert_close(tmp_path, BN_CNN + extra)
 
 
+@pytest.mark.e2e
 def test_padding_left_in_batch_statistics_would_fail(tmp_path, monkeypatch):
     """Guards against padded samples entering BatchNorm's statistics: with the mask the
     BatchNorm layers see set to all ones (the loss still masked), the batched model moves away
@@ -403,6 +411,7 @@ def test_each_client_keeps_its_own_running_statistics():
 RESNET_TOL = 1e-4
 
 
+@pytest.mark.e2e
 def test_resnet18_equals_sequential(tmp_path):
     """torchvision's ResNet-18 (CIFAR stem; 20 BatchNorm layers, downsampling shortcuts) side by
     side, with momentum, over 2 rounds of 3 clients (42 to 117 samples, 2 local steps of batch 30:
@@ -417,34 +426,32 @@ def test_resnet18_equals_sequential(tmp_path):
     assert diff <= RESNET_TOL * scale
 
 
-def test_world_size_invariance_bitwise_with_batch_norm(tmp_path):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_world_size_invariance_bitwise_with_batch_norm(tmp_path, two_ranks):
     """A BatchNorm model side by side (B = 3, a stateless rule): 1 and 2 gloo ranks give the
     same final.pt bit for bit, running statistics and step counts included."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
-    args = BN_CNN + ["run.rounds=2", "run.parallel_clients=3", "train.local_work_min=1", "train.local_epochs=2"]
-    run_fedddp(args + [f"run.out_dir={tmp_path / 'one'}"], env=env)
-    run_fedddp(args + [f"run.out_dir={tmp_path / 'two'}"], nproc=2, env=env)
-    assert_same_state(final_state(tmp_path / "one"), final_state(tmp_path / "two"))
+    run_here(TWO_RANK_RUNS["batch_norm"] + [f"run.out_dir={tmp_path / 'one'}"], config=None)
+    assert_same_state(final_state(tmp_path / "one"), final_state(two_ranks["batch_norm"]))
 
 
 @pytest.mark.parametrize("size", [1, 4])
-def test_a_last_batch_of_one_sample_for_batch_norm_is_refused_before_training(tmp_path, size):
+@pytest.mark.e2e
+def test_a_last_batch_of_one_sample_for_batch_norm_is_refused_before_training(tmp_path, size, capsys):
     """Guards against torch's ValueError traceback in the middle of a run: batch 21 leaves the
     43-sample client a last batch of one sample, whose BatchNorm1d sees one value per channel.
     Refused before round 1 with one line naming the key and the nearest batch size that works,
     exit 2, one after another and side by side; batch 20 (the suggestion) trains."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     args = BN_CNN + ["run.rounds=1", f"run.parallel_clients={size}", "run.clients_per_round=12"]
-    proc = run_fedddp(args + ["train.batch_size=21", f"run.out_dir={tmp_path / 'bad'}"], config=None, env=env,
-                      check=False)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    assert "train.batch_size: 21 leaves client(s) 10 (43 samples) a last batch of one sample" in proc.stderr
-    assert "set train.batch_size = 20" in proc.stderr
+    capsys.readouterr()
+    status = run_here(args + ["train.batch_size=21", f"run.out_dir={tmp_path / 'bad'}"], config=None, check=False)
+    err = capsys.readouterr().err  # a traceback would have raised out of main instead
+    assert status == 2, err[-2000:]
+    assert err.count("\n") == 1, err
+    assert "train.batch_size: 21 leaves client(s) 10 (43 samples) a last batch of one sample" in err
+    assert "set train.batch_size = 20" in err
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
-    run_fedddp(args + ["train.batch_size=20", f"run.out_dir={tmp_path / 'good'}"], config=None, env=env)
+    run_here(args + ["train.batch_size=20", f"run.out_dir={tmp_path / 'good'}"], config=None)
 
 
 # -- Dropout and other random operations -------------------------------------------------
@@ -490,6 +497,7 @@ DROPOUT_CASES = [["algorithm.name=fedavg"], ["train.momentum=0.9", "train.weight
 
 
 @pytest.mark.parametrize("extra", DROPOUT_CASES, ids=[" ".join(e) for e in DROPOUT_CASES])
+@pytest.mark.e2e
 def test_dropout_model_equals_sequential(tmp_path, extra):
     """Each client's dropout masks are drawn from (its seed, step, layer) in both paths, side by
     side outside vmap: the same masks for SAM's extra pass, per chunk for SCAFFOLD option I's
@@ -498,6 +506,7 @@ def test_dropout_model_equals_sequential(tmp_path, extra):
     assert_close(tmp_path, DROPOUT + extra)
 
 
+@pytest.mark.e2e
 def test_dropout_masks_that_differ_would_fail(tmp_path, monkeypatch):
     """Guards against masks that are not the sequential path's: with each side-by-side client's
     masks drawn one step late, the model moves far beyond the tolerance. And dropout is on:
@@ -534,18 +543,44 @@ def test_dropout_masks_are_per_client_step_and_layer():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [1, 3])
-def test_world_size_invariance_bitwise_with_dropout(tmp_path, size):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_world_size_invariance_bitwise_with_dropout(tmp_path, size, two_ranks):
     """A dropout model one after another and side by side: 1 and 2 gloo ranks give the same
     final.pt bit for bit (masks depend on the client, never on the rank or group)."""
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
-    args = DROPOUT + ["run.rounds=2", f"run.parallel_clients={size}", "train.local_work_min=1",
-                      "train.local_epochs=2"]
-    run_fedddp(args + [f"run.out_dir={tmp_path / 'one'}"], config=None, env=env)
-    run_fedddp(args + [f"run.out_dir={tmp_path / 'two'}"], config=None, nproc=2, env=env)
-    assert_same_state(final_state(tmp_path / "one"), final_state(tmp_path / "two"))
+    run_here(TWO_RANK_RUNS[f"dropout_B{size}"] + [f"run.out_dir={tmp_path / 'one'}"], config=None)
+    assert_same_state(final_state(tmp_path / "one"), final_state(two_ranks[f"dropout_B{size}"]))
 
 
+# The world-size tests' runs (config file first where they have one); their 2-rank runs share one
+# torchrun (two_ranks), each in a process group of its own.
+TWO_RANK_RUNS = {
+    "fixed_b": [QUICKSTART, "model.name=mlp", "model.hidden=16", "run.rounds=2", "run.parallel_clients=3",
+                "data.num_clients=12", "run.clients_per_round=6", "train.batch_size=50", "train.local_work_min=1",
+                "train.local_epochs=2"],
+    "batch_norm": [QUICKSTART, *BN_CNN, "run.rounds=2", "run.parallel_clients=3", "train.local_work_min=1",
+                   "train.local_epochs=2"],
+    **{f"dropout_B{size}": [*DROPOUT, "run.rounds=2", f"run.parallel_clients={size}", "train.local_work_min=1",
+                            "train.local_epochs=2"] for size in (1, 3)},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory) -> dict:
+    """{key of TWO_RANK_RUNS: out_dir} of the selected world-size tests' runs on 2 gloo ranks,
+    under one torchrun (the plugin models load from this folder, the driver's)."""
+    keys = [key for key, test in (("fixed_b", "test_world_size_invariance_bitwise_for_fixed_b"),
+                                  ("batch_norm", "test_world_size_invariance_bitwise_with_batch_norm"))
+            if is_selected(request, test)]
+    keys += [f"dropout_B{size}" for size in selected(request, "test_world_size_invariance_bitwise_with_dropout", "size")]
+    root = tmp_path_factory.mktemp("two_ranks")
+    outs = {key: root / key for key in keys}
+    if keys:
+        run_fedddp_each([TWO_RANK_RUNS[key] + [f"run.out_dir={outs[key]}"] for key in keys], nproc=2, config=None)
+    return outs
+
+
+@pytest.mark.e2e
 def test_other_random_operations_side_by_side_are_one_line_before_round_1(tmp_path, capsys):
     """A random operation that is not nn.Dropout's cannot be drawn per client under vmap:
     ``--check`` with run.parallel_clients > 1 tries one side-by-side step and says so in one line

@@ -5,15 +5,17 @@ import sys
 
 import pytest
 
-from fedrun import REPO, run_fedddp
+from fedrun import REPO, run_here
 
 pytest.importorskip("matplotlib")
 
 
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_plot_two_runs(tmp_path):
     for name in ("fedavg", "fedmom"):
-        run_fedddp([f"algorithm.name={name}", "run.rounds=3", "run.eval_every=1",
-                    f"run.out_dir={tmp_path / name}"])
+        run_here([f"algorithm.name={name}", "run.rounds=3", "run.eval_every=1",
+                  f"run.out_dir={tmp_path / name}"])
     out = tmp_path / "cmp.png"
     proc = subprocess.run([sys.executable, "-m", "fedddp.study.plot", str(tmp_path / "fedavg"),
                            str(tmp_path / "fedmom"), "--out", str(out)], capture_output=True, text=True, cwd=REPO)

@@ -51,6 +51,7 @@ def test_scalars_pack_as_the_per_field_casts_did():
         assert torch.equal(got, expected), stack
 
 
+@pytest.mark.processes
 def test_round_vs_loop_bench_runs():
     """bench/round_vs_loop.py --quick (a tiny generated stand-in): both code paths run and the
     ratio line is printed; no figure is asserted."""

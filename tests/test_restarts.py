@@ -19,6 +19,8 @@ from fedrun import (QUICKSTART, REPO, SLOW, assert_same_state, client_rows, fina
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_sigkill_of_a_rank_under_torchrun_max_restarts_resumes_exactly(tmp_path, slow_reference):
     """launch/local.sh runs torchrun --max-restarts; a rank killed mid-run brings the group back
     from the last checkpoint, and the run ends as if nothing had happened."""
@@ -55,6 +57,7 @@ ARGS = [QUICKSTART, "run.rounds=6", "run.clients_per_round=7", "run.eval_every=2
         "run.progress=false"]
 
 
+@pytest.mark.e2e
 def test_restarted_worker_resumes_without_being_told(tmp_path, monkeypatch, capsys):
     """torchrun restarts workers with the same command line; TORCHELASTIC_RESTART_COUNT > 0 is
     what tells them to continue instead of starting over."""
@@ -85,6 +88,7 @@ def _rows_without_timings(out) -> tuple[list[dict], ...]:
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.e2e
 def test_run_interrupted_between_a_checkpoint_and_its_rows_resumes_with_every_row(tmp_path, monkeypatch, when):
     """Regression: round 4's checkpoint was complete before round 4's rows were written, so a
     run interrupted in between resumed at round 5, and round 4 was missing from metrics.jsonl,
@@ -112,6 +116,7 @@ def test_run_interrupted_between_a_checkpoint_and_its_rows_resumes_with_every_ro
     assert_same_state(final_state(full), final_state(part))
 
 
+@pytest.mark.e2e
 def test_fresh_run_into_an_older_runs_folder_is_refused_or_replaces_it(tmp_path, capsys):
     """A fresh run in a used out_dir silently deleted the older run's metrics and could be
     resumed from its checkpoints (a torchrun restart before the fresh run's first checkpoint

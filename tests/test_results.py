@@ -43,6 +43,8 @@ def call(*args):
                           cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"), timeout=300)
 
 
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_runs_the_sweep_and_writes_the_document(tmp_path):
     path, doc, out = tmp_path / "tiny.toml", tmp_path / "results.md", tmp_path / "runs"
     path.write_text(SWEEP.format(out=out))
@@ -103,6 +105,7 @@ def test_every_baseline_must_be_beaten():
     assert "(within the spread)" in line and "vs strong 0.895" in line and "1 of 2" in line
 
 
+@pytest.mark.processes
 def test_header_without_a_verdict_is_one_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text(SWEEP.replace("# Verdict:  name=fedmom vs name=fedavg\n", "").format(out=tmp_path / "r"))

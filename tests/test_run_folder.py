@@ -41,6 +41,7 @@ def _strict_json_lines(path) -> list[dict]:
 NO_DATA = ["data.name=mnist", "model.name=mlp", "data.root=/nonexistent/fedddp-data"]
 
 
+@pytest.mark.e2e
 def test_out_dir_that_is_a_file_is_one_line_before_data_loads(tmp_path, capsys):
     """Regression: a file as out_dir was a traceback (exit 1), after the data had been loaded."""
     target = tmp_path / "a_file"
@@ -50,11 +51,13 @@ def test_out_dir_that_is_a_file_is_one_line_before_data_loads(tmp_path, capsys):
                                      "pick another run.out_dir"]
 
 
+@pytest.mark.e2e
 def test_empty_out_dir_is_one_line(capsys):
     status, lines = _main(ARGS + NO_DATA + ["run.out_dir="], capsys)
     assert status == 2 and len(lines) == 1 and "run.out_dir: empty" in lines[0]
 
 
+@pytest.mark.e2e
 def test_unwritable_out_dir_is_one_line(tmp_path, capsys):
     """Regression: a read-only out_dir was a traceback. (Root ignores file modes; sysfs refuses
     new files even to root.)"""
@@ -70,6 +73,7 @@ def test_unwritable_out_dir_is_one_line(tmp_path, capsys):
 
 # -- one run per out_dir ------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, capsys):
     from fedddp import outdir
     out = tmp_path / "o"
@@ -84,6 +88,8 @@ def test_second_run_into_a_locked_out_dir_names_the_holder(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_two_runs_at_once_in_one_out_dir(tmp_path):
     """Regression: two runs into one out_dir both exited 0 with interleaved metrics.jsonl. The
     first holds the lock for its life; the second (even one that resumes) is refused."""
@@ -108,6 +114,7 @@ def test_two_runs_at_once_in_one_out_dir(tmp_path):
 
 # -- divergence -------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_divergence_stops_the_run_with_status_4(tmp_path, capsys):
     """Regression: model.name=mlp train.lr=3 went NaN at round 2 and exited 0 with an all-NaN
     final.pt, pruned the finite checkpoints for NaN ones and wrote bare NaN into metrics.jsonl."""
@@ -141,6 +148,7 @@ def _no_space():
         raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos") from exc
 
 
+@pytest.mark.e2e
 def test_full_disk_while_checkpointing_is_one_line_and_resumes(tmp_path, capsys, monkeypatch):
     """Regression: a full disk was a traceback with ENOSPC buried in a chained exception."""
     full, out = tmp_path / "full", tmp_path / "o"
@@ -165,6 +173,7 @@ def test_full_disk_while_checkpointing_is_one_line_and_resumes(tmp_path, capsys,
     assert_same_state(final_state(full), final_state(out))
 
 
+@pytest.mark.e2e
 def test_full_disk_before_the_first_checkpoint_then_the_advised_rerun_and_a_restart_work(tmp_path, capsys,
                                                                                         monkeypatch):
     """Regression: a full disk during the first checkpoint said "free space and rerun", but the
@@ -202,6 +211,7 @@ def test_full_disk_before_the_first_checkpoint_then_the_advised_rerun_and_a_rest
     assert_same_state(final_state(full), final_state(restarted))
 
 
+@pytest.mark.e2e
 def test_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeypatch):
     out, appends = tmp_path / "o", []
 
@@ -221,6 +231,7 @@ def test_full_disk_while_writing_metrics_is_one_line(tmp_path, capsys, monkeypat
 
 # -- what a stopped or resumed run says -------------------------------------------------------
 
+@pytest.mark.e2e
 def test_stop_after_says_how_to_continue(tmp_path, capsys):
     out = tmp_path / "o"
     status, lines = _main(ARGS + [f"run.out_dir={out}", "run.stop_after=3"], capsys)

@@ -35,6 +35,7 @@ def same_data(a, b) -> bool:
             and all(torch.equal(a.train[k].x, b.train[k].x) for k in a.train))
 
 
+@pytest.mark.e2e
 def test_run_seed_keeps_the_data_and_data_seed_changes_it(tmp_path, monkeypatch):
     """Guards against run.seed reseeding the data: the spread over run seeds would then mix data
     variation with training variation."""
@@ -47,6 +48,7 @@ def test_run_seed_keeps_the_data_and_data_seed_changes_it(tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("partition", ["dirichlet", "iid"])
+@pytest.mark.e2e
 def test_partition_and_holdout_follow_data_seed_only(tmp_path, monkeypatch, partition):
     make_mnist_like(str(tmp_path / "data"), num=300)
     common = ["data.name=mnist", f"data.root={tmp_path / 'data'}", "data.holdout_from_test=0.2",

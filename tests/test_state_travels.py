@@ -17,7 +17,8 @@ import torch
 from fedddp.client.state import fetch, open_store, send_home
 from fedddp.sampling import travelling
 
-from fedrun import assert_same_state, client_rows, final_state, metrics, run_fedddp
+from fedrun import assert_same_state, client_rows, final_state, is_selected, metrics, run_fedddp_each, run_here
+from fedrun import selected
 
 CPU = torch.device("cpu")
 BASE = ["data.num_clients=12", "run.clients_per_round=8", "model.name=mlp", "model.hidden=16",
@@ -86,59 +87,93 @@ def test_state_goes_to_the_trainer_and_comes_back(tmp_path, kind):
     assert torch.equal(stores[0].client(2)["c"], torch.full((4,), 3.0))
 
 
-# -- real processes ----------------------------------------------------------------------------
-
-_stateless = {}
-
-
-def stateless_ranks(tmp_path_factory, parallel: int) -> dict:
-    """{(round, client): rank} of FedAvg (no client state) on 2 ranks with BASE: the balanced
-    assignment a stateful rule must now match (it depends only on sampling, dropouts and costs)."""
-    if parallel not in _stateless:
-        out = tmp_path_factory.mktemp(f"fedavg_B{parallel}")
-        run_fedddp(BASE + ["algorithm.name=fedavg", f"run.parallel_clients={parallel}", f"run.out_dir={out}"],
-                   nproc=2)
-        _stateless[parallel] = {(r["round"], r["client"]): r["rank"] for r in client_rows(out)}
-    return _stateless[parallel]
-
+# -- one rank in this process, two under real torchrun ------------------------------------
 
 # Each rule once, each B for two of them: the travel is the round loop's and the same for every
 # rule (what differs is the state's names and sizes), so the full 4 x 2 grid would double the
 # multi-process runs, the suite's slowest part, for no path it does not already take.
 CASES = [(*STATEFUL[0], 1), (*STATEFUL[3], 1), (*STATEFUL[1], 3), (*STATEFUL[2], 3)]
+STRAGGLERS = BASE + ["algorithm.name=scaffold", "run.clients_per_round=12", "train.local_epochs=3",
+                     "run.deadline_steps=10", "run.ckpt_every=1"]
+
+
+def stateful_args(name, extra, parallel) -> tuple[list[str], tuple[str, str]]:
+    """A case's overrides, and its stores on 1 and 2 ranks: memory on one side, mmap on the other."""
+    stores = ("memory", "mmap") if parallel == 1 else ("mmap", "memory")
+    return BASE + [f"algorithm.name={name}", f"run.parallel_clients={parallel}", *extra], stores
+
+
+@pytest.fixture(scope="module")
+def two_ranks(request, tmp_path_factory) -> dict:
+    """{case: out_dir} of the selected tests' runs on 2 ranks, all under one torchrun: each
+    stateful case, FedAvg (no client state) at each B they use, and the stragglers' SCAFFOLD."""
+    root, runs = tmp_path_factory.mktemp("two_ranks"), {}
+    cases = selected(request, "test_stateful_rules_are_balanced_and_world_size_invariant", "name")
+    for name, extra, parallel in CASES:
+        if name in cases:
+            args, stores = stateful_args(name, extra, parallel)
+            runs[name] = args + [f"run.client_state={stores[1]}"]
+            runs[f"fedavg_B{parallel}"] = BASE + ["algorithm.name=fedavg", f"run.parallel_clients={parallel}"]
+    if is_selected(request, "test_stragglers_and_dropouts_keep_their_state"):
+        runs["stragglers"] = STRAGGLERS
+    outs = {key: root / key for key in runs}
+    if runs:
+        run_fedddp_each([args + [f"run.out_dir={outs[key]}"] for key, args in runs.items()], nproc=2)
+    return outs
+
+
+def stateless_ranks(two_ranks, parallel: int) -> dict:
+    """{(round, client): rank} of FedAvg (no client state) on 2 ranks with BASE: the balanced
+    assignment a stateful rule must now match (it depends only on sampling, dropouts and costs)."""
+    return {(r["round"], r["client"]): r["rank"] for r in client_rows(two_ranks[f"fedavg_B{parallel}"])}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,extra,parallel", CASES, ids=[f"{n}-B{b}" for n, _, b in CASES])
-def test_stateful_rules_are_balanced_and_world_size_invariant(tmp_path, tmp_path_factory, name, extra, parallel):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_stateful_rules_are_balanced_and_world_size_invariant(tmp_path, two_ranks, name, extra, parallel):
     """1 rank and 2 ranks give the same final.pt bit for bit, sequentially and side by side
     (B = 3), with the memory store on one side and the mmap store on the other. Guards against
     stateful rules trained on their owner rank (clients.jsonl's ranks would differ from FedAvg's),
     groups cut per rank at B > 1 (their bits depend on the world size) and a travelling state
     lost or not written back (rounds 2 and 3 would start from another state)."""
-    stores = ("memory", "mmap") if parallel == 1 else ("mmap", "memory")
-    args = BASE + [f"algorithm.name={name}", f"run.parallel_clients={parallel}", *extra]
-    for nproc, store in zip((1, 2), stores):
-        run_fedddp(args + [f"run.client_state={store}", f"run.out_dir={tmp_path / str(nproc)}"], nproc=nproc)
-    assert_same_state(final_state(tmp_path / "1"), final_state(tmp_path / "2"))
-    rank_of = {(r["round"], r["client"]): r["rank"] for r in client_rows(tmp_path / "2")}
-    assert rank_of == stateless_ranks(tmp_path_factory, parallel)
+    args, stores = stateful_args(name, extra, parallel)
+    run_here(args + [f"run.client_state={stores[0]}", f"run.out_dir={tmp_path / '1'}"])
+    assert_same_state(final_state(tmp_path / "1"), final_state(two_ranks[name]))
+    rank_of = {(r["round"], r["client"]): r["rank"] for r in client_rows(two_ranks[name])}
+    assert rank_of == stateless_ranks(two_ranks, parallel)
     assert any(rank != client % 2 for (_, client), rank in rank_of.items())  # some states did travel
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_resume_on_any_world_size_equals_an_uninterrupted_run(tmp_path):
     """FedSMOO (two state tensors a client) stopped after round 2 and resumed: on 2 ranks then
     1, on 1 then 2, on 2 and 2, each the uninterrupted run's final.pt bit for bit (the shards stay
     keyed by owner, whichever rank trained the client)."""
     args = BASE + ["algorithm.name=fedsmoo", "run.rounds=4", "run.ckpt_every=2"]
-    run_fedddp(args + [f"run.out_dir={tmp_path / 'full'}"])
-    for stop_n, resume_n, store in ((2, 1, "mmap"), (1, 2, "memory"), (2, 2, "mmap")):
-        part = tmp_path / f"{stop_n}to{resume_n}"
-        run_fedddp(args + [f"run.out_dir={part}", "run.stop_after=2", f"run.client_state={store}"], nproc=stop_n)
+    run_here(args + [f"run.out_dir={tmp_path / 'full'}"])
+    cases = ((2, 1, "mmap"), (1, 2, "memory"), (2, 2, "mmap"))
+    parts = {(stop_n, resume_n): tmp_path / f"{stop_n}to{resume_n}" for stop_n, resume_n, _ in cases}
+
+    def on(world: int, runs: list[list[str]]) -> None:  # the 2-rank ones under one torchrun
+        if world == 1:
+            for run in runs:
+                run_here(run)
+        elif runs:
+            run_fedddp_each(runs, nproc=world)
+
+    for world in (1, 2):  # every stop, then its shard checked before any resume
+        on(world, [args + [f"run.out_dir={parts[s, r]}", "run.stop_after=2", f"run.client_state={store}"]
+                   for s, r, store in cases if s == world])
+    for (stop_n, _), part in parts.items():
         shard = torch.load(part / "checkpoints" / "round_000002" / "clients_rank0.pt", weights_only=True)
         assert shard and all(cid % stop_n == 0 for cid in shard)
-        run_fedddp(args + [f"run.out_dir={part}", "run.resume=true"], nproc=resume_n)
+    for world in (1, 2):
+        on(world, [args + [f"run.out_dir={parts[s, r]}", "run.resume=true"] for s, r, _ in cases if r == world])
+    for part in parts.values():
         assert_same_state(final_state(tmp_path / "full"), final_state(part))
 
 
@@ -151,22 +186,22 @@ def client_states(out_dir, round_idx: int, world_size: int) -> dict[int, dict[st
 
 
 @pytest.mark.slow
-def test_stragglers_and_dropouts_keep_their_state(tmp_path):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_stragglers_and_dropouts_keep_their_state(tmp_path, two_ranks):
     """SCAFFOLD with dropouts and a deadline (client 0, 2,199 samples, always misses it; others
     when they draw more epochs): a client that does not report in round 3 ends it with its
     round-2 state exactly (none if it never trained), on 2 ranks as on 1, and every client's
     state after round 3 is the same bits on 1 and 2 ranks. Guards against a straggler's state
     sent away and overwritten, or a travelling state written to the wrong client."""
-    args = BASE + ["algorithm.name=scaffold", "run.clients_per_round=12", "train.local_epochs=3",
-                   "run.deadline_steps=10", "run.ckpt_every=1"]
-    for nproc in (1, 2):
-        run_fedddp(args + [f"run.out_dir={tmp_path / str(nproc)}"], nproc=nproc)
-    before, after = client_states(tmp_path / "2", 2, 2), client_states(tmp_path / "2", 3, 2)
+    run_here(STRAGGLERS + [f"run.out_dir={tmp_path / '1'}"])
+    two = two_ranks["stragglers"]
+    before, after = client_states(two, 2, 2), client_states(two, 3, 2)
     one_rank = client_states(tmp_path / "1", 3, 1)
     assert sorted(after) == sorted(one_rank)
     for cid in after:
         assert_same_state(after[cid], one_rank[cid])
-    absent = metrics(tmp_path / "2")[2]["dropped"]
+    absent = metrics(two)[2]["dropped"]
     assert 0 in absent and 0 not in after  # never trained: no state
     kept = [c for c in absent if c in before]
     assert kept, "no client with state sat out round 3: the test would check nothing"

@@ -67,6 +67,7 @@ def test_groups_by_the_differing_keys_and_gives_mean_and_sample_std(sweep):
     assert summary.usable(runs, ["test_accuracy"], print, "rounds-3-4") == []
 
 
+@pytest.mark.processes
 def test_cli_tables_skip_unfinished_and_metricless_runs(sweep, tmp_path):
     root, _ = sweep
     fake_run(root / "unfinished", [0.1], finished=False, algorithm__name="fedavg")
@@ -107,6 +108,7 @@ def test_plot_group_curve_is_mean_and_std_over_rounds_all_runs_have(tmp_path):
     assert label_c == "name=fedmom (n=1)" and std_c == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.processes
 def test_plot_cli_groups_and_skips_a_run_without_the_metric(tmp_path):
     pytest.importorskip("matplotlib")
     fake_run(tmp_path / "runs" / "a", [0.1, 0.2], algorithm__name="fedavg", run__seed=0)

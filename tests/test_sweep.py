@@ -8,13 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from fedddp import checks, config
 from fedddp.study import sweep
 from fedddp.errors import ConfigError
-from fedrun import REPO, assert_same_state, descendants, final_state, metrics, run_fedddp, wait_for_rounds
+from fedrun import REPO, assert_same_state, descendants, final_state, metrics, run_here, wait_for_rounds
 
 SWEEP_FILE = """
 [run]
@@ -66,6 +67,7 @@ def test_a_sweep_file_run_directly_says_how_to_run_it(tmp_path):
         checks.load(write_sweep(tmp_path))
 
 
+@pytest.mark.processes
 def test_bad_combination_is_one_line_naming_it_and_the_file(tmp_path):
     path = write_sweep(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "fedddp.study.sweep", path, "run.rounds=2,0", "--dry-run",
@@ -90,18 +92,29 @@ def run_sweep(*args):
                           cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def sweep_here(capsys, *args):
+    """``python -m fedddp.study.sweep ARGS`` in this process (what it runs: sweep.main), for the
+    invocations that start no run (--dry-run): its status and output, as run_sweep gives them."""
+    capsys.readouterr()
+    status = sweep.main(list(args))
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
+
+
 @pytest.mark.slow
-def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_path):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_path, capsys):
     path, out = write_sweep(tmp_path), tmp_path / "out"
     first = run_sweep(path, "run.seed=0", "--out", str(out))  # the command line narrows the axis
     assert first.returncode == 0, first.stderr
     finished = out / "seed=0" / "final.pt"
     stamp = finished.stat().st_mtime_ns
     # seed 1 stopped after round 1 with a checkpoint: unfinished
-    run_fedddp([f"run.out_dir={out / 'seed=1'}", "run.seed=1", "run.stop_after=1"], config=str(out / "base.toml"))
+    run_here([f"run.out_dir={out / 'seed=1'}", "run.seed=1", "run.stop_after=1"], config=str(out / "base.toml"))
     assert not (out / "seed=1" / "final.pt").exists()
 
-    listing = run_sweep(path, "--out", str(out), "--dry-run")
+    listing = sweep_here(capsys, path, "--out", str(out), "--dry-run")
     assert listing.returncode == 0, listing.stderr
     assert [line.split()[0] for line in listing.stdout.splitlines()[:3]] == ["done", "resume", "new"]
 
@@ -125,7 +138,7 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
     assert_same_state(final_state(tmp_path / "ranked" / "seed=0"), final_state(out / "seed=0"))
 
     (tmp_path / "sweep.toml").write_text(SWEEP_FILE.replace("num_clients = 8", "num_clients = 9"))
-    refused = run_sweep(path, "--out", str(out), "--dry-run")
+    refused = sweep_here(capsys, path, "--out", str(out), "--dry-run")
     assert refused.returncode == 2 and "holds a run with other settings (data.num_clients: 8 there, 9 here)" \
         in refused.stderr
 
@@ -139,6 +152,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_sigterm_stops_the_sweep_and_its_running_run(tmp_path):
     """Regression: a sweep sent SIGTERM ended alone and left its running run going in the
     background, holding its folder's lock, so rerunning the sweep failed that run with exit 2
@@ -177,6 +191,8 @@ def test_sigterm_stops_the_sweep_and_its_running_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch):
     """One single-rank task per combination. Also guards a crash of a one-rank distributed run
     (a submitit task or torchrun --nproc_per_node=1): rank 0 gathered into a buffer it never made."""

@@ -22,7 +22,7 @@ import torch
 
 from fedddp import strategies
 from fedddp.strategies import kernels
-from fedrun import REPO, assert_same_state, final_state, run_fedddp
+from fedrun import REPO, assert_same_state, final_state, run_fedddp, run_here
 from test_strategies import (as_gather_views, assert_close, hp_of, make_inputs, run, twin_cgw,
                              twin_feder, twin_fedcong, twin_fedgma, twin_fedmom, twin_weights)
 
@@ -283,6 +283,7 @@ def test_unsuitable_tensors_take_the_torch_ops(interpreted, monkeypatch):
     assert kernels.lib(torch.zeros(2, 3), rule="fedavg") is None
 
 
+@pytest.mark.processes
 def test_a_cpu_run_does_not_import_triton():
     """Guards the fast start: triton (seconds to import) is imported only for the Triton form."""
     code = ("import sys, torch; from fedddp import strategies; from fedddp.config import "
@@ -301,23 +302,28 @@ def test_a_cpu_run_does_not_import_triton():
 
 
 @pytest.mark.parametrize("algorithm", ["fedgma", "cgw"])
-def test_a_run_through_the_triton_form_ends_with_the_c_forms_model(tmp_path, algorithm):
+@pytest.mark.processes
+@pytest.mark.e2e
+def test_a_run_through_the_triton_form_ends_with_the_c_forms_model(tmp_path, algorithm, monkeypatch, capsys):
     """The rules inside a run (strided views of the gather buffer, the round loop's dispatch):
-    the quickstart for 2 rounds with FEDDDP_KERNELS=triton in the interpreter writes the
-    final.pt of FEDDDP_KERNELS=c bit for bit, and its start line names the Triton form."""
+    the quickstart for 2 rounds with FEDDDP_KERNELS=triton in the interpreter (its own process:
+    TRITON_INTERPRET is read when triton loads) writes the final.pt of FEDDDP_KERNELS=c (read at
+    each call: in this process) bit for bit, and only its start line names the Triton form."""
     if kernels._library() is None:
         pytest.skip("no working C compiler")
-    outs = {}
-    for form in ("triton", "c"):
-        env = dict(os.environ, FEDDDP_KERNELS=form,
-                   TRITON_INTERPRET="1" if form == "triton" else "0")
-        outs[form] = tmp_path / form
-        proc = run_fedddp(["run.rounds=2", f"algorithm.name={algorithm}", "run.progress=true",
-                           "run.eval_every=2", f"run.out_dir={outs[form]}"], env=env)
-        assert ("Triton kernels in Triton's interpreter" in proc.stderr) == (form == "triton")
+    outs = {form: tmp_path / form for form in ("triton", "c")}
+    args = ["run.rounds=2", f"algorithm.name={algorithm}", "run.progress=true", "run.eval_every=2"]
+    proc = run_fedddp(args + [f"run.out_dir={outs['triton']}"],
+                      env=dict(os.environ, FEDDDP_KERNELS="triton", TRITON_INTERPRET="1"))
+    assert "Triton kernels in Triton's interpreter" in proc.stderr
+    monkeypatch.setenv("FEDDDP_KERNELS", "c")
+    capsys.readouterr()
+    run_here(args + [f"run.out_dir={outs['c']}"])
+    assert "Triton kernels in Triton's interpreter" not in capsys.readouterr().err
     assert_same_state(final_state(outs["triton"]), final_state(outs["c"]))
 
 
+@pytest.mark.processes
 def test_benchmark_runs_the_triton_path_in_the_interpreter():
     """bench/aggregate.py --device cuda times the Triton form; its code path, at tiny sizes."""
     env = dict(os.environ, TRITON_INTERPRET="1")

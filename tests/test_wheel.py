@@ -58,6 +58,7 @@ def built(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_wheel_holds_the_kernels_source_and_the_slurm_task(built):
     with zipfile.ZipFile(built[1]) as zf:
         names = set(zf.namelist())
@@ -69,6 +70,7 @@ def test_wheel_holds_the_kernels_source_and_the_slurm_task(built):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_sdist_holds_the_kernels_source_and_the_slurm_task(built):
     with tarfile.open(built[0]) as tf:
         names = {name.split("/", 1)[1] for name in tf.getnames() if "/" in name}
@@ -76,6 +78,7 @@ def test_sdist_holds_the_kernels_source_and_the_slurm_task(built):
     assert not missing, f"missing from the sdist: {missing}"
 
 
+@pytest.mark.processes
 def test_package_data_is_every_file_beside_the_modules():
     """A file added beside the modules (a kernel source, a template) must join PACKAGE_DATA,
     and setup.cfg's [options.package_data], or the wheel goes without it."""
