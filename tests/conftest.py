@@ -14,10 +14,12 @@ tests that compile the Triton kernels for a GPU target.
 import multiprocessing.process
 import os
 import subprocess
+import sys
 import threading
 
 import pytest
 
+from fedddp import plugins, registry
 from fedrun import SLOW, run_here
 
 # The test whose setup, call or teardown is running (None between tests and at collection).
@@ -149,3 +151,16 @@ def slow_reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("slow_reference")
     run_here(SLOW + [f"run.out_dir={out}"])
     return out
+
+
+@pytest.fixture
+def plugin_registries(monkeypatch):
+    """The registries plugins join (fedddp.registry's tables, the imported modules) and sys.path
+    restored after the test, so no other test sees the plugins it registered."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    tables = (registry.SERVER_RULES, registry.LOCAL_RULES, registry.ALGORITHMS, registry.WEIGHTING, plugins._objects)
+    saved = [dict(table) for table in tables]
+    yield
+    for table, content in zip(tables, saved):
+        table.clear()
+        table.update(content)

@@ -63,6 +63,7 @@ def test_fedadam_params_are_its_own_and_checked():
         checks.load(None, ["algorithm.name=fedadam", "algorithm.server_lr=0.5"])
 
 
+@pytest.mark.e2e
 def test_fedadam_runs_end_to_end_and_its_state_is_checkpointed(tmp_path):
     overrides = ["algorithm.name=fedadam", "run.rounds=4", "run.ckpt_every=2", "run.eval_every=4",
                  "run.progress=false"]

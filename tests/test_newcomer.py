@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedddp import algorithms, checks, plugins, registry
+from fedddp import algorithms, checks
 from fedddp.__main__ import main
 from fedddp.errors import ConfigError, PluginError
 from fedddp.participation import drops_out
@@ -26,16 +26,8 @@ HINT = "(in your code, not fedddp; FEDDDP_TRACEBACK=1 prints its traceback)"
 
 
 @pytest.fixture(autouse=True)
-def own_registries(monkeypatch):
-    """The plugins a test registers are gone after it (as in test_plugins.py), so no other test
-    sees them in registry.ALGORITHMS; sys.path loses the folders plugins put first."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    tables = (registry.SERVER_RULES, registry.LOCAL_RULES, registry.ALGORITHMS, registry.WEIGHTING, plugins._objects)
-    saved = [dict(table) for table in tables]
-    yield
-    for table, content in zip(tables, saved):
-        table.clear()
-        table.update(content)
+def own_registries(plugin_registries):
+    """The plugins a test registers are gone after it (conftest's plugin_registries)."""
 
 
 def fedddp_main(capsys, *argv) -> tuple[int, list[str]]:
@@ -236,6 +228,8 @@ def test_missed_deadline_tells_stragglers_from_dropouts(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
+@pytest.mark.e2e
 def test_local_sh_starts_ranks_without_torchruns_omp_banner(tmp_path):
     """torchrun's "Setting OMP_NUM_THREADS environment variable for each process" opened every run."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}

@@ -2,7 +2,6 @@
 plugin end to end, the checks on plugin models, rule parameters, and import failures."""
 
 import os
-import sys
 import textwrap
 import tomllib
 
@@ -11,8 +10,7 @@ import torch
 from torch import nn
 
 import fedddp
-from fedddp import algorithms, checkpoint, checks, config, plugins, registry, strategies
-from fedddp.client import rules
+from fedddp import algorithms, checkpoint, checks, config, registry
 from fedddp.__main__ import main
 from fedddp.strategies import kernels
 from fedrun import REPO, assert_same_state, client_rows, final_state, metrics, run_fedddp
@@ -22,17 +20,10 @@ SHORT = ["run.rounds=3", "run.clients_per_round=4", "run.eval_every=3"]
 
 
 @pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
+def in_repo(monkeypatch, plugin_registries):
     """Import paths resolve from the working directory: the repository root, as in the README.
-    The registries the plugins join are restored after each test, so no other test sees them."""
+    The registries the plugins join are restored after each test (conftest's plugin_registries)."""
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    tables = (registry.SERVER_RULES, registry.LOCAL_RULES, registry.ALGORITHMS, registry.WEIGHTING, plugins._objects)
-    saved = [dict(table) for table in tables]
-    yield
-    for table, content in zip(tables, saved):
-        table.clear()
-        table.update(content)
 
 
 def run_main(capsys, args: list[str]) -> tuple[int, list[str]]:
