@@ -435,9 +435,8 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     trainer = (SideBySide if rc.parallel_clients > 1 else OneAfterAnother)(model, layout, cfg, rule, needs, task)
     if rc.parallel_clients > 1:
         # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
-        first = next((c for c in (range(cfg.data.num_clients) if balanced else owned) if data.num_samples[c]), None)
-        if first is not None:
-            trainer.batched.try_step(data.train[first])
+        trainer.batched.try_first_client(data.train, data.num_samples,
+                                         range(cfg.data.num_clients) if balanced else owned)
     run = Setup(cfg, data, task, model, layout, strategy, rule, trainer,
                 ReportLayout(needs, layout.numel, len(layout.conv_entries())), _static_stacks(needs, cfg, layout, device),
                 client_states, balanced, [expected_cost(n, cfg.train) for n in data.num_samples],

@@ -122,9 +122,7 @@ def try_side_by_side(cfg, model, data) -> None:
     needs = strategies.ALWAYS | strategies.get(server).needs_for(cfg.algorithm)
     trainer = BatchedTrainer(model, FlatLayout(model, buffers=cfg.model.flat_buffers), cfg, rules.get(local),
                              needs, tasks.get(data.task))
-    first = next((c for c in range(cfg.data.num_clients) if data.num_samples[c]), None)
-    if first is not None:
-        trainer.try_step(data.train[first])
+    trainer.try_first_client(data.train, data.num_samples, range(cfg.data.num_clients))
 
 
 class _Schedule:
@@ -302,6 +300,13 @@ class BatchedTrainer:
         net.train(training)
         tensors = dict(zip([prefix + n for n in self.names], list(params_T) + list(buffers_T)))
         return functional_call(net, tensors, (x,))
+
+    def try_first_client(self, train, num_samples: list[int], ids) -> None:
+        """``try_step`` on the first client of ``ids`` with samples (``train``: client id ->
+        ClientData), as the run and --check do before round 1."""
+        first = next((c for c in ids if num_samples[c]), None)
+        if first is not None:
+            self.try_step(train[first])
 
     def try_step(self, data) -> None:
         """The side-by-side gradients on two samples of ``data`` (a client's), at the model's
