@@ -55,8 +55,8 @@ from fedddp.flat import FlatLayout, runs_R3  # noqa: E402
 from fedddp.strategies import kernels  # noqa: E402
 
 NAIVE_BUDGET = 4 * 2 ** 30
-HP = AlgorithmConfig(server_momentum=0.9, cong_alpha=0.7, gma_threshold=0.8, server_lr=1.0,
-                     gma_grad="last", gma_mask="hard", cgw_alpha=0.1)
+HP = AlgorithmConfig(server_lr=1.0, params={"server_momentum": 0.9, "cong_alpha": 0.7, "gma_threshold": 0.8,
+                                            "gma_grad": "last", "gma_mask": "hard", "cgw_alpha": 0.1})
 
 
 def sync(device):
@@ -137,7 +137,7 @@ def naive_fedavg(global_P, stacks, state, hp):
 
 def naive_fedmom(global_P, stacks, state, hp):
     delta = (naive_weights(stacks)[:, None] * (stacks["params_KP"] - global_P)).sum(0)
-    velocity = hp.server_momentum * (global_P - state["previous_P"]) + delta
+    velocity = hp.params["server_momentum"] * (global_P - state["previous_P"]) + delta
     return global_P + velocity
 
 
@@ -147,7 +147,7 @@ def naive_fedcong(global_P, stacks, state, hp):
     u = W - global_P
     pos, neg = u > 0, u < 0
     num_pos, num_neg = pos.sum(0), neg.sum(0)
-    need = max(1, math.ceil(hp.cong_alpha * K - 1e-9))
+    need = max(1, math.ceil(hp.params["cong_alpha"] * K - 1e-9))
     take_pos = (num_pos >= need) & ((num_neg < need) | (num_pos >= num_neg))
     take_neg = (num_neg >= need) & ~take_pos
     member = torch.where(take_pos, pos, torch.where(take_neg, neg, torch.ones_like(pos)))
@@ -159,7 +159,7 @@ def naive_fedgma(global_P, stacks, state, hp):
     W, G = stacks["params_KP"], stacks["last_grad_KP"]
     p = naive_weights(stacks)[:, None]
     agree = torch.sign(G).sum(0).abs()
-    mask = (agree >= hp.gma_threshold * W.shape[0]).float()
+    mask = (agree >= hp.params["gma_threshold"] * W.shape[0]).float()
     grad = (p * G * mask).sum(0)
     return (p * W).sum(0) - hp.server_lr * grad
 
@@ -170,7 +170,7 @@ def naive_cgw(global_P, stacks, state, hp):
     sq = gram.diagonal()
     norm = sq.sqrt()
     m = gram.sum(1)
-    c = (hp.cgw_alpha * stacks["full_loss_K"] / norm).min()
+    c = (hp.params["cgw_alpha"] * stacks["full_loss_K"] / norm).min()
     x = c / (m / norm).pow(2).sum().sqrt() * m / sq
     return (naive_weights(stacks)[:, None] * W).sum(0) - (x[:, None] * D).sum(0)
 

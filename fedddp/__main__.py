@@ -30,6 +30,7 @@ import traceback
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from . import checks, config, env
+from . import algorithms
 from .algorithms import build_model
 from .api import execute
 from .client.batched import try_side_by_side
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\nConfig keys (TOML tables; override as section.key=value):\n"
-              + config.describe())
+              + config.describe() + "\n\nThe built-in rules' own parameters ([algorithm.params], or "
+              "[algorithm.params.RULE] for one rule; the old flat key algorithm.NAME still works):\n"
+              + algorithms.describe_params())
         return 0 if argv else 2
     if "--check" in argv[1:]:  # read as an override, it would be refused without saying why
         print("fedddp: error: --check goes first, before the config file and the overrides: "

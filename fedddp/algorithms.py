@@ -11,6 +11,7 @@ configuration error naming both.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
@@ -28,10 +29,27 @@ def describe(cfg) -> str:
     return f"{cfg.algorithm.name}: {local} clients, {server} server rule, {weighting_of(cfg.algorithm)} weights"
 
 
-def _check_pair(cfg, local: str, server: str) -> list[str]:
+def describe_params() -> str:
+    """Every built-in rule's own parameters with default, owner and doc, for ``--help``."""
+    owners: dict[str, list[str]] = {}
+    docs, defaults = {}, {}
+    for kind, table in (("server rule", strategies.SERVER_RULES), ("local rule", rules.RULES)):
+        for rule_name, rule in table.items():
+            if plugins.is_path(rule_name):
+                continue
+            for key, default in rule.params.items():
+                owners.setdefault(key, []).append(f"{rule_name} {kind}")
+                docs.setdefault(key, rule.param_docs.get(key, ""))
+                defaults.setdefault(key, default)
+    shown = {k: f'"{v}"' if isinstance(v, str) else repr(v) for k, v in defaults.items()}
+    return "\n".join(f"  algorithm.params.{key} = {shown[key]}  ({', '.join(owners[key])})\n      {docs[key]}"
+                     for key in owners)
+
+
+def _check_pair(cfg, local: str, server: str, params: dict) -> list[str]:
+    """What the rules local and server, run together under cfg (``params``: the rules' resolved
+    hyperparameters), cannot do."""
     name, errors = cfg.algorithm.name, []
-    if local not in rules.RULES:
-        return [f"algorithm.local: unknown local rule {local!r} (valid: auto, {', '.join(rules.RULES)})"]
     rule, strategy = rules.RULES[local], strategies.SERVER_RULES[server]
     pair = f"algorithm.local = {local} with the {server} server rule (algorithm.name = {name})"
     missing = [k for k in rule.reads_server if k not in strategy.client_visible]
@@ -41,7 +59,8 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                       f"{', '.join(missing)}, which {server} does not keep or update; choose an algorithm.name "
                       f"whose server rule does ({', '.join(n for n, (_, s) in ALGORITHMS.items() if s in keepers)})")
     produced = {k for r in rules.RULES.values() for k in r.reports}
-    unmet = sorted(k for k in strategy.needs_for(cfg.algorithm) if k in produced and k not in rule.reports)
+    needs = strategy.needs_for(dataclasses.replace(cfg.algorithm, params=params))
+    unmet = sorted(k for k in needs if k in produced and k not in rule.reports)
     if unmet:
         writers = [n for n, r in rules.RULES.items() if set(unmet) <= set(r.reports)]
         errors.append(f"algorithm.local: {pair}: {server} needs {', '.join(unmet)} from its clients, which "
@@ -55,7 +74,8 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                           "from the SGD one implemented here; use another local rule")
         if not cfg.train.momentum < 1:
             errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
-    errors += _check_dp(cfg, server)
+    if server == "dpfedavg":
+        errors += _check_dp(cfg)
     if cfg.algorithm.server_lr != 1.0 and not strategy.takes_server_lr:
         takers = [n for n, (_, s) in ALGORITHMS.items() if strategies.SERVER_RULES[s].takes_server_lr]
         errors.append(f"algorithm.server_lr: the {server} server rule (algorithm.name = {name}) has no "
@@ -63,12 +83,8 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
                       f"{cfg.algorithm.server_lr}; leave it at 1, or use a rule that takes it "
                       f"({', '.join(takers)}; docs/algorithms.md)")
     if local in ("scaffold", "gam_cv"):
-        errors += _check_control(cfg, local)
+        errors += _check_control(cfg, local, params)
     if local == "moon":
-        if cfg.algorithm.moon_tau <= 0:
-            errors.append(f"algorithm.moon_tau: must be > 0, got {cfg.algorithm.moon_tau}")
-        if cfg.algorithm.moon_proj_dim < 0:
-            errors.append(f"algorithm.moon_proj_dim: must be >= 0, got {cfg.algorithm.moon_proj_dim}")
         if tasks.of_data(cfg.data.name) == "regression":  # known by name: said before any data is read
             errors.append(f"algorithm.local: {pair}: MOON is defined for classification; data.name = "
                           f"{cfg.data.name} is a regression task (choose another algorithm.name or "
@@ -76,28 +92,13 @@ def _check_pair(cfg, local: str, server: str) -> list[str]:
     return errors + check_optimizer(cfg.train)
 
 
-def _check_dp(cfg, server: str) -> list[str]:
-    """Client-level DP is the dpfedavg server rule's: the others reweight, mask, normalise or keep
-    state over the clients' raw updates, which voids its C / K bound on one client's influence."""
-    hp = cfg.algorithm
-    if server != "dpfedavg":
-        if hp.dp_clip > 0:
-            return [f"algorithm.dp_clip: client-level DP is algorithm.name = dpfedavg (FedAvg's server rule "
-                    f"with clipping and noise; any local rule it pairs with via algorithm.local, e.g. prox, sam, "
-                    f"gam, moon); the other server rules ({server} here) reweight, mask or normalise raw "
-                    f"updates, which voids the clip bound: use dpfedavg or set algorithm.dp_clip = 0"]
-        return []
+def _check_dp(cfg) -> list[str]:
+    """DP-FedAvg's bound on one client's influence, C / K, holds for equal weights; its epsilon is
+    dp-accounting's (its own values are checked by the rule: strategies/dpfedavg.py)."""
     errors = []
-    if not hp.dp_clip > 0:
-        errors.append(f"algorithm.dp_clip: dpfedavg clips each client's update to this L2 norm; set it > 0, "
-                      f"got {hp.dp_clip}")
-    if hp.dp_noise < 0:
-        errors.append(f"algorithm.dp_noise: must be >= 0, got {hp.dp_noise}")
-    if not 0 < hp.dp_delta < 1:
-        errors.append(f"algorithm.dp_delta: must be in (0, 1), got {hp.dp_delta}")
-    if weighting_of(hp) != "uniform":
+    if weighting_of(cfg.algorithm) != "uniform":
         errors.append(f"algorithm.weighting: dpfedavg bounds one client's influence by C / K with equal "
-                      f"weights; set algorithm.weighting = uniform or auto, not {hp.weighting}")
+                      f"weights; set algorithm.weighting = uniform or auto, not {cfg.algorithm.weighting}")
     try:
         import dp_accounting  # noqa: F401
     except ImportError:
@@ -107,25 +108,23 @@ def _check_dp(cfg, server: str) -> list[str]:
     return errors
 
 
-def _check_control(cfg, local: str) -> list[str]:
-    """SCAFFOLD's option II and FedGAM-CV's eq. 21 read the client's mean step direction off
-    (w - w_k) / (tau lr): true for plain SGD only (momentum or Adam move w by something else)."""
-    tc, option = cfg.train, cfg.algorithm.scaffold_control
-    if local == "gam_cv" and option == "I":
-        return ["algorithm.scaffold_control: I is SCAFFOLD's option; FedGAM-CV updates c_k by seed 002's "
-                "eq. 21 (option II) only; set algorithm.scaffold_control = II"]
+def _check_control(cfg, local: str, params: dict) -> list[str]:
+    """SCAFFOLD's option II and FedGAM-CV's eq. 21 (its only option) read the client's mean step
+    direction off (w - w_k) / (tau lr): true for plain SGD only (momentum or Adam move w by
+    something else)."""
+    tc, option = cfg.train, params.get("scaffold_control", "II")
     if tc.optimizer == "sgd" and tc.momentum == 0:
         return []
     what = f"train.optimizer = {tc.optimizer}" if tc.optimizer != "sgd" else f"train.momentum = {tc.momentum}"
     key = "train.optimizer" if tc.optimizer != "sgd" else "train.momentum"
     if local == "scaffold" and option == "II":
-        return [f"algorithm.scaffold_control: option II's c_k+ = c_k - c + (w - w_k) / (tau lr) holds for "
-                f"plain SGD only, not with {what}; set algorithm.scaffold_control = I (c_k+ = the client's "
+        return [f"algorithm.params.scaffold_control: option II's c_k+ = c_k - c + (w - w_k) / (tau lr) holds for "
+                f"plain SGD only, not with {what}; set algorithm.params.scaffold_control = I (c_k+ = the client's "
                 "gradient at the global model, valid for any optimizer) or use plain SGD"]
     if local == "gam_cv":
         return [f"{key}: FedGAM-CV's c_k update (seed 002 eq. 21) holds for plain SGD only, not with {what}; "
                 "use train.optimizer = sgd with train.momentum = 0, or algorithm.name = scaffold with "
-                "algorithm.scaffold_control = I"]
+                "algorithm.params.scaffold_control = I"]
     return []
 
 
@@ -140,8 +139,11 @@ def check_algorithm(cfg) -> list[str]:
     if server not in strategies.SERVER_RULES:
         return [f"algorithm.name: {name!r} needs the server rule {server!r}, which is not available"]
     local = resolve(cfg.algorithm)[0]
-    errors = _check_pair(cfg, local, server)
-    return errors or _check_params(cfg.algorithm.params, local, server)
+    if local not in rules.RULES:
+        return [f"algorithm.local: unknown local rule {local!r} (valid: auto, {', '.join(rules.RULES)})"]
+    param_errors, given = _check_params(cfg.algorithm.params, name, local, server)
+    # the pair is judged with the values that passed (a refused one is at its default)
+    return _check_pair(cfg, local, server, params_of(given, name, local, server)) + param_errors
 
 
 def _declared_params(local: str, server: str) -> dict[str, tuple[str, object]]:
@@ -151,40 +153,94 @@ def _declared_params(local: str, server: str) -> dict[str, tuple[str, object]]:
     return declared
 
 
-def _check_params(params: dict, local: str, server: str) -> list[str]:
-    """[algorithm.params]: every name declared by the server or the local rule, of its default's
-    type; then each rule checks its own values, the refused ones left at their defaults, so one
-    bad name does not hide the other values' errors."""
-    declared, errors, good = _declared_params(local, server), [], {}
-    for key, value in params.items():
+def _rule_params(rule: str) -> dict[str, tuple[str, object]] | None:
+    """What the table [algorithm.params.RULE] may hold when RULE is known: an algorithm's name
+    (both its rules'), a server rule's or a local rule's; None for a name fedddp does not know."""
+    if rule in ALGORITHMS:
+        return _declared_params(*ALGORITHMS[rule])
+    if rule in strategies.SERVER_RULES:
+        return {k: (rule, v) for k, v in strategies.SERVER_RULES[rule].params.items()}
+    if rule in rules.RULES:
+        return {k: (rule, v) for k, v in rules.RULES[rule].params.items()}
+    return None
+
+
+def _applied(params: dict, name: str, local: str, server: str) -> list[tuple[str, dict]]:
+    """The parts of [algorithm.params] the run uses, least specific first, each (its path, its
+    entries): the local rule's table, the server rule's, the algorithm's, then the plain names."""
+    tables = [(rule, params[rule]) for rule in dict.fromkeys((local, server, name))
+              if isinstance(params.get(rule), dict)]
+    plain = {k: v for k, v in params.items() if not isinstance(v, dict)}
+    return [(f"algorithm.params.{rule}", table) for rule, table in tables] + [("algorithm.params", plain)]
+
+
+def _typed(entries: dict, declared: dict, where: str, pair: str, errors: list[str]) -> dict:
+    """The entries whose names ``declared`` holds, of their default's type; an error line for
+    each other one."""
+    good = {}
+    for key, value in entries.items():
         if key not in declared:
             known = ", ".join(f"{k} ({rule})" for k, (rule, _) in declared.items()) or "none"
             near = close_match(key, declared)
             hint = f", did you mean {near}?" if near else ""
-            errors.append(f"algorithm.params.{key}: not a parameter of the {server} server rule or the "
-                          f"{local} local rule{hint} (theirs: {known})")
+            errors.append(f"{where}.{key}: not a parameter of {pair}{hint} (theirs: {known})")
             continue
         rule, default = declared[key]
         want = float if type(default) is float else type(default)
         ok = isinstance(value, want) and isinstance(value, bool) == (want is bool)
         if not ok and not (want is float and isinstance(value, int) and not isinstance(value, bool)):
-            errors.append(f"algorithm.params.{key}: {rule} takes a {want.__name__} (default {default!r}), "
+            errors.append(f"{where}.{key}: {rule} takes a {want.__name__} (default {default!r}), "
                           f"got {type(value).__name__} {value!r}")
         else:
             good[key] = value
-    full = params_of(good, local, server)
+    return good
+
+
+def _check_params(params: dict, name: str, local: str, server: str) -> tuple[list[str], dict]:
+    """[algorithm.params]: every plain name, and every name in the tables of the run's rules, is
+    declared by the server or the local rule, of its default's type; a table of a rule the run
+    does not use is checked against that rule when fedddp knows it (a typo in a sweep's file is
+    caught in every combination) and otherwise ignored. Then each rule checks its own values,
+    the refused ones left at their defaults, so one bad name does not hide the other values'
+    errors. Returns (the error lines, the accepted values as plain names)."""
+    errors, given = [], {}
+    pair = f"the {server} server rule or the {local} local rule"
+    for where, entries in _applied(params, name, local, server):
+        given.update(_typed(entries, _declared_params(local, server), where, pair, errors))
+    for rule, table in params.items():
+        if not isinstance(table, dict) or rule in (name, local, server):
+            continue
+        declared = _rule_params(rule)
+        if declared is not None:
+            _typed(table, declared, f"algorithm.params.{rule}", f"{rule}", errors)
+        elif not plugins.is_path(rule):
+            known = [*ALGORITHMS, *strategies.SERVER_RULES, *rules.RULES]
+            near = close_match(rule, known)
+            hint = f", did you mean {near}?" if near else ""
+            errors.append(f"algorithm.params.{rule}: a table [algorithm.params.RULE] is for an algorithm, "
+                          f"server or local rule, and no rule is called {rule!r}{hint}")
+    full = params_of(given, name, local, server)
     check_server = strategies.SERVER_RULES[server].check_params
-    errors += [] if check_server is None else list(check_server(full))
-    errors += list(rules.RULES[local].check_params(full))
-    return [e if e.startswith("algorithm.params") else f"algorithm.params: {e}" for e in errors]
+    own = ([] if check_server is None else list(check_server(full))) + list(rules.RULES[local].check_params(full))
+    errors += [e if e.startswith("algorithm.params") else f"algorithm.params: {e}" for e in own]
+    return errors, given
 
 
-def params_of(params: dict, local: str, server: str) -> dict:
-    """[algorithm.params] with every declared default filled in (ints given for floats as floats),
-    as config.toml records it and the rules read it (hp.params)."""
+def params_of(params: dict, name: str, local: str, server: str) -> dict:
+    """The run's rule hyperparameters as plain names, as config.toml records them and the rules
+    read them (hp.params): each declared default, then the tables of the local rule, the server
+    rule and the algorithm, then the plain names (ints given for floats as floats). Tables of
+    rules the run does not use are left out. Idempotent: resolved params resolve to themselves."""
     full = {k: default for k, (_, default) in _declared_params(local, server).items()}
-    full.update({k: float(v) if type(full.get(k)) is float else v for k, v in params.items()})
+    for _, entries in _applied(params, name, local, server):
+        full.update({k: float(v) if type(full.get(k)) is float else v for k, v in entries.items() if k in full})
     return full
+
+
+def resolved(hp):
+    """hp (an AlgorithmConfig) with its params resolved (params_of) for its own rules: the config
+    checks.load returns already holds them so; a hand-made one (tests) gets the defaults."""
+    return dataclasses.replace(hp, params=params_of(hp.params, hp.name, *resolve(hp)))
 
 
 def _outside(net, parts) -> list[str]:
@@ -199,7 +255,7 @@ def check_model(cfg, net, task: str) -> list[str]:
     local, server = resolve(cfg.algorithm)
     errors = []
     what = f"model.name = {cfg.model.name}"
-    if strategies.SERVER_RULES[server].needs_for(cfg.algorithm) & {"eff_rank_KL"} and \
+    if strategies.SERVER_RULES[server].needs_for(resolved(cfg.algorithm)) & {"eff_rank_KL"} and \
             not any(isinstance(m, nn.Conv2d) for m in net.modules()):
         errors.append(f"model.name: {server} weighs conv layers by effective rank; {what} has no "
                       "torch.nn.Conv2d layer (use cnn, resnet18 or a model with one)")
@@ -217,11 +273,11 @@ def check_model(cfg, net, task: str) -> list[str]:
         elif outside := _outside(net, (net.features, net.head)):
             errors.append(f"model.name: MOON runs the model as head(features(x)); {what} has tensors outside "
                           f".features and .head ({', '.join(outside[:3])}); move them into one of the two")
-        elif cfg.algorithm.moon_proj_dim > 0 and not isinstance(net.head, nn.Linear):
-            errors.append(f"model.name: MOON's projection head (algorithm.moon_proj_dim = "
-                          f"{cfg.algorithm.moon_proj_dim}) replaces the classifier .head, which must be a "
-                          f"torch.nn.Linear; {what} has a {type(net.head).__name__} (or set "
-                          "algorithm.moon_proj_dim = 0)")
+        elif resolved(cfg.algorithm).params["moon_proj_dim"] > 0 and not isinstance(net.head, nn.Linear):
+            errors.append(f"model.name: MOON's projection head (algorithm.params.moon_proj_dim = "
+                          f"{resolved(cfg.algorithm).params['moon_proj_dim']}) replaces the classifier .head, "
+                          f"which must be a torch.nn.Linear; {what} has a {type(net.head).__name__} (or set "
+                          "algorithm.params.moon_proj_dim = 0)")
     return errors
 
 
@@ -265,6 +321,7 @@ def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> 
     if resolve(cfg.algorithm)[0] == "moon":
         if not isinstance(net, models.Net):
             net = models.Net(net.features, net.head)  # the contrastive term reads features, the loss head(...)
-        if cfg.algorithm.moon_proj_dim > 0:
-            net = models.add_projection_head(net, cfg.algorithm.moon_proj_dim, num_classes)
+        proj_dim = resolved(cfg.algorithm).params["moon_proj_dim"]
+        if proj_dim > 0:
+            net = models.add_projection_head(net, proj_dim, num_classes)
     return net

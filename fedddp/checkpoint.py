@@ -77,11 +77,29 @@ def identity_changes(saved: dict, now: dict) -> list[str]:
     (added to fedddp after it was written) is no change while it keeps its default: a new key's
     default is the behaviour fedddp had before it."""
     unset, defaults = "(unset)", identity(config.Config())
+    saved = translated(saved, now)
     # a table (algorithm.params) is compared entry by entry: its changed names, not two whole dicts
     saved, now = _flat_tables(saved), _flat_tables(now)
     return [f"{key} {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
             for key in sorted(saved.keys() | now.keys()) if saved.get(key, unset) != now.get(key, unset)
             and not (key not in saved and key in defaults and now.get(key) == defaults[key])]
+
+
+def translated(saved: dict, now: dict) -> dict:
+    """An identity written while the built-in rules' hyperparameters were flat keys
+    (algorithm.cong_alpha: config.ALIASES) as it reads today: each becomes the algorithm.params
+    entry of that name when the run's rules declare it (``now``'s params hold every declared name),
+    and is dropped otherwise, since no rule of that run read it."""
+    flat = [k for k in saved if k.startswith("algorithm.") and k.removeprefix("algorithm.") in config.ALIASES]
+    if not flat:
+        return saved
+    declared = now.get("algorithm.params") or {}
+    params = dict(saved.get("algorithm.params") or {})
+    for key in flat:
+        name = key.removeprefix("algorithm.")
+        if name in declared:
+            params.setdefault(name, saved[key])
+    return {**{k: v for k, v in saved.items() if k not in flat}, "algorithm.params": params}
 
 
 def _flat_tables(keys: dict) -> dict:

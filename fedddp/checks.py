@@ -33,7 +33,7 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
     # resolved once, so config.toml, the start line and every rule see the same weighting and
     # the same rule parameters (the declared defaults filled in)
     cfg.algorithm.weighting = weighting_of(cfg.algorithm)
-    cfg.algorithm.params = algorithms.params_of(cfg.algorithm.params, *resolve(cfg.algorithm))
+    cfg.algorithm.params = algorithms.resolved(cfg.algorithm).params
     return cfg
 
 

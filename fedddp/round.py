@@ -656,7 +656,7 @@ class Book:
                  ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "final.pt", "checkpoints",
                   "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
         eps = (self.last_row or {}).get("epsilon")
-        dp = f"; epsilon {eps:.4g} at delta {self.run.cfg.algorithm.dp_delta:g}" if eps is not None else ""
+        dp = f"; epsilon {eps:.4g} at delta {self.run.cfg.algorithm.params['dp_delta']:g}" if eps is not None else ""
         return f"fedddp: finished {self.run.cfg.run.rounds} rounds; {out_dir} holds {', '.join(names)}{dp}"
 
 

@@ -77,7 +77,7 @@ def aggregate(params_KP, grads_KP, loss_K, form):
     num_clients = params_KP.shape[0]
     stacks = {"params_KP": params_KP, "full_grad_KP": grads_KP, "full_loss_K": loss_K,
               "num_samples_K": torch.ones(num_clients), "train_loss_K": loss_K}
-    hp = AlgorithmConfig(cgw_alpha=ALPHA)
+    hp = AlgorithmConfig(params={"cgw_alpha": ALPHA})
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FEDDDP_KERNELS", form)
         return strategies.get("cgw").aggregate(torch.zeros(params_KP.shape[1]), stacks, {}, hp)

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from fedddp import checks, config
+from fedddp import algorithms, checks, config, strategies
+from fedddp.client import rules
 from fedddp.errors import ConfigError
 
 
@@ -61,10 +62,25 @@ def test_dumps_round_trips(tmp_path):
 
 def test_every_field_has_a_doc():
     text = config.describe()
-    assert "run.rounds" in text and "algorithm.cgw_alpha" in text
+    assert "run.rounds" in text and "algorithm.params" in text
     for section_cls in config.SECTIONS.values():
         for f in section_cls.__dataclass_fields__.values():
             assert f.metadata.get("doc"), f.name
+
+
+def test_every_built_in_rule_parameter_has_a_doc_and_its_old_key_maps_onto_it():
+    """Each built-in rule declares its parameters with a doc (shown by --help); every old flat
+    key (config.ALIASES) is declared, with the same default, by each rule it names, and by no other."""
+    text = algorithms.describe_params()
+    built_in = {**{n: s for n, s in strategies.SERVER_RULES.items() if ":" not in n},
+                **{n: r for n, r in rules.RULES.items() if ":" not in n}}
+    for rule in built_in.values():
+        for key in rule.params:
+            assert rule.param_docs.get(key), (rule, key)
+            assert f"algorithm.params.{key} = " in text
+    for key, owners in config.ALIASES.items():
+        declaring = sorted(n for n, r in built_in.items() if key in r.params)
+        assert declaring == sorted(owners), key
 
 
 @pytest.mark.processes
@@ -247,3 +263,78 @@ def test_values_that_broke_a_run_are_config_errors_before_anything_starts(overri
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fedddp: error: 1 configuration error(s): ") and words in err[0], err
     assert not out.exists()
+
+
+# -- the rules' own parameters ---------------------------------------------------------------------
+
+def test_old_flat_keys_are_the_rules_parameters():
+    """algorithm.cong_alpha (the key before rules owned their parameters) and
+    algorithm.params.cong_alpha give the same resolved config; config.toml records the new form."""
+    old = checks.load(None, ["algorithm.name=fedcong", "algorithm.cong_alpha=0.5"])
+    new = checks.load(None, ["algorithm.name=fedcong", "algorithm.params.cong_alpha=0.5"])
+    table = checks.load({"algorithm": {"name": "fedcong", "params": {"fedcong": {"cong_alpha": 0.5}}}})
+    assert old == new == table and new.algorithm.params == {"cong_alpha": 0.5}
+    assert "params = {cong_alpha = 0.5}" in config.dumps(new)
+
+
+def test_a_rules_table_applies_when_it_runs_and_is_ignored_otherwise():
+    tables = ["algorithm.params.fedprox.prox_mu=0.3", "algorithm.params.fedcong.cong_alpha=0.4",
+              "algorithm.sam_rho=0.05"]
+    assert checks.load(None, ["algorithm.name=fedavg"] + tables).algorithm.params == {}
+    assert checks.load(None, ["algorithm.name=fedprox"] + tables).algorithm.params == {"prox_mu": 0.3}
+    # a table by the local rule's name, the server rule's or the algorithm's
+    smoo = checks.load(None, ["algorithm.name=fedsmoo"] + tables).algorithm.params
+    assert smoo == {"sam_rho": 0.05, "smoo_lambda": 0.1}
+    assert checks.load(None, ["algorithm.name=fedgma", "algorithm.local=prox"] + tables).algorithm.params == {
+        "prox_mu": 0.1, "gma_threshold": 0.8, "gma_grad": "last", "gma_mask": "hard"}
+    # the most specific wins: the algorithm's table over the local rule's, plain names over both
+    both = ["algorithm.name=fedprox", "algorithm.params.prox.prox_mu=0.2", "algorithm.params.fedprox.prox_mu=0.3"]
+    assert checks.load(None, both).algorithm.params == {"prox_mu": 0.3}
+    assert checks.load(None, both + ["algorithm.params.prox_mu=0.4"]).algorithm.params == {"prox_mu": 0.4}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algorithm.params.prox_mu=0.3"],
+     "algorithm.params.prox_mu: not a parameter of the fedavg server rule or the plain local rule (theirs: none)"),
+    (["algorithm.name=fedprox", "algorithm.params.fedprox.prox_m=0.3"],
+     "algorithm.params.fedprox.prox_m: not a parameter of the fedavg server rule or the prox local rule, did you "
+     "mean prox_mu? (theirs: prox_mu (prox))"),
+    (["algorithm.params.fedcong.cong_alpa=0.3"],
+     "algorithm.params.fedcong.cong_alpa: not a parameter of fedcong, did you mean cong_alpha? (theirs: "
+     "cong_alpha (fedcong))"),
+    (["algorithm.params.fedcong.cong_alpha=true"],
+     "algorithm.params.fedcong.cong_alpha: fedcong takes a float (default 0.7), got bool True"),
+    (["algorithm.params.fedcon.cong_alpha=0.3"],
+     "algorithm.params.fedcon: a table [algorithm.params.RULE] is for an algorithm, server or local rule, and no "
+     "rule is called 'fedcon', did you mean fedcong?"),
+    (["algorithm.name=fedcong", "algorithm.cong_alpha=1.5"], "algorithm.params.cong_alpha: must be in [0, 1], got 1.5"),
+])
+def test_rule_parameter_mistakes_are_one_line_each(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        checks.load(None, overrides)
+    assert str(info.value) == f"1 configuration error(s): {message}"
+
+
+def test_a_config_written_before_rules_owned_their_parameters_loads_the_same(tmp_path):
+    """A config.toml of an older fedddp names every rule's flat key, used or not."""
+    old = ('[algorithm]\nname = "fedgma"\nlocal = "auto"\nparams = {}\nweighting = "samples"\n'
+           'scaffold_control = "II"\nserver_lr = 0.5\nserver_momentum = 0.9\ncong_alpha = 0.7\n'
+           'gma_threshold = 0.6\ngma_grad = "last"\ngma_mask = "hard"\ncgw_alpha = 0.1\nfeder_unfold = "average"\n'
+           'prox_mu = 0.1\nmoon_mu = 1.0\nmoon_tau = 0.5\nmoon_proj_dim = 256\nsam_rho = 0.1\ngam_rho = 0.02\n'
+           'gam_alpha = 0.2\nsmoo_lambda = 0.1\ndp_clip = 0.0\ndp_noise = 1.0\ndp_delta = 1e-05\n')
+    cfg = checks.load(write(tmp_path, old))
+    assert cfg == checks.load(None, ["algorithm.name=fedgma", "algorithm.weighting=samples",
+                                     "algorithm.server_lr=0.5", "algorithm.params.gma_threshold=0.6"])
+
+
+def test_a_checkpoint_identity_with_the_old_flat_keys_resumes():
+    """A checkpoint's identity written with the flat keys reads as today's: the keys of the run's
+    rules become its params entries, the others (which no rule of the run read) drop out."""
+    from fedddp import checkpoint
+    now = checkpoint.identity(checks.load(None, ["algorithm.name=fedcong"]))
+    old = {k: v for k, v in now.items() if k != "algorithm.params"}
+    old.update({"algorithm.params": {}, "algorithm.cong_alpha": 0.7, "algorithm.prox_mu": 0.5,
+                "algorithm.scaffold_control": "II"})
+    assert checkpoint.identity_changes(old, now) == []
+    assert checkpoint.identity_changes({**old, "algorithm.cong_alpha": 0.6}, now) == [
+        "algorithm.params.cong_alpha 0.6 -> 0.7"]

@@ -26,6 +26,7 @@ from fedddp.errors import ConfigError
 from fedddp.round import run
 from fedddp.strategies import dpfedavg, kernels
 
+from test_strategies import hp_of
 from fedrun import QUICKSTART, assert_same_state, final_state, metrics, run_fedddp_each, run_here, selected
 
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
@@ -174,7 +175,7 @@ def dp_inputs(num_clients=6, num_params=300, seed=0, spread=(0.01, 3.0), num_sam
 
 
 def dp_hp(**kw):
-    return config.AlgorithmConfig(name="dpfedavg", weighting="uniform", **kw)
+    return hp_of(name="dpfedavg", weighting="uniform", **kw)
 
 
 @pytest.mark.parametrize("num_sampled", [None, 9])
@@ -328,10 +329,9 @@ def test_checkpoint_from_before_the_new_keys_still_resumes():
 # -- configuration ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides,words", [
-    (["algorithm.name=fedmom", "algorithm.dp_clip=1"], ["algorithm.dp_clip", "dpfedavg", "fedmom"]),
-    (["algorithm.name=dpfedavg"], ["algorithm.dp_clip", "> 0"]),
+    (["algorithm.name=dpfedavg"], ["algorithm.params.dp_clip", "> 0"]),
     (["algorithm.name=dpfedavg", "algorithm.dp_clip=1", "algorithm.weighting=samples"], ["algorithm.weighting"]),
-    (["algorithm.name=dpfedavg", "algorithm.dp_clip=1", "algorithm.dp_delta=0"], ["algorithm.dp_delta"]),
+    (["algorithm.name=dpfedavg", "algorithm.dp_clip=1", "algorithm.dp_delta=0"], ["algorithm.params.dp_delta"]),
     (["run.dropout=1.5"], ["run.dropout"]),
     (["run.deadline_steps=-1"], ["run.deadline_steps"]),
     (["train.local_epochs=2", "train.local_work_min=3"], ["train.local_work_min", "train.local_epochs = 2"]),

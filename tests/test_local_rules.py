@@ -31,6 +31,7 @@ from fedddp.errors import ConfigError
 from fedddp.flat import FlatLayout
 from fedddp.algorithms import build_model
 from fedddp.round import run
+from test_strategies import hp_of
 
 from fedrun import run_fedddp
 
@@ -391,7 +392,8 @@ def test_extra_passes_leave_batchnorm_statistics_to_the_first_pass(local):
     features = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU())
     model = Net(features, torch.nn.Linear(6, 3))
     x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
-    cfg = checks.load(None, ["algorithm.sam_rho=0.5", "algorithm.gam_rho=0.5"])
+    name = {"sam": "fedsam", "gam": "fedgam", "smoo": "fedsmoo"}[local]
+    cfg = checks.load(None, [f"algorithm.name={name}", "algorithm.sam_rho=0.5", "algorithm.gam_rho=0.5"])
     layout = FlatLayout(model)
     twin = copy.deepcopy(model)
     params_before = [p.detach().clone() for p in model.parameters()]
@@ -434,7 +436,7 @@ def weights(stacks, uniform=False):
 @pytest.mark.parametrize("server_lr", [1.0, 0.5])
 def test_scaffold_server_twin(rule, divisor, server_lr):
     global_P, stacks = server_inputs()
-    hp = config.AlgorithmConfig(server_lr=server_lr)
+    hp = hp_of(server_lr=server_lr)
     strategy = strategies.get(rule)
     state = {"control_P": torch.randn(global_P.shape[0], generator=torch.Generator().manual_seed(9))}
     new_P, new_state, _ = strategy.aggregate(global_P, stacks, dict(state), hp)
@@ -455,7 +457,7 @@ def test_fednova_server_twin(momentum, server_lr):
     global_P, stacks = server_inputs()
     stacks["client_momentum"] = torch.tensor(momentum)
     new_P, _, diag = strategies.get("fednova").aggregate(global_P, stacks, {},
-                                                         config.AlgorithmConfig(server_lr=server_lr))
+                                                         hp_of(server_lr=server_lr))
     K, P = stacks["params_KP"].shape
     p = weights(stacks)
     a = []
@@ -473,7 +475,7 @@ def test_fednova_server_twin(momentum, server_lr):
 
 def test_fedsmoo_server_twin():
     global_P, stacks = server_inputs()
-    hp = config.AlgorithmConfig(sam_rho=0.3)
+    hp = hp_of(sam_rho=0.3)
     P = global_P.shape[0]
     state = {"drift_sum_P": torch.randn(P, generator=torch.Generator().manual_seed(3)), "perturb_P": torch.zeros(P)}
     new_P, new_state, _ = strategies.get("fedsmoo").aggregate(global_P, stacks, dict(state), hp)
@@ -538,13 +540,13 @@ def test_server_lr_is_taken_or_refused_never_ignored(name):
     (["algorithm.name=fedsmoo", "algorithm.local=sam"], ["sam", "fedsmoo", "perturb_dual_KP"]),
     (["algorithm.name=fednova", "train.optimizer=adam"], ["train.optimizer", "fednova"]),
     (["algorithm.name=fednova", "algorithm.local=prox"], ["prox", "fednova"]),
-    (["algorithm.name=moon", "algorithm.moon_tau=0"], ["algorithm.moon_tau"]),
+    (["algorithm.name=moon", "algorithm.moon_tau=0"], ["algorithm.params.moon_tau"]),
+    (["algorithm.name=moon", "algorithm.params.moon.moon_proj_dim=-1"], ["algorithm.params.moon_proj_dim"]),
     (["train.lr_schedule=steplr", "train.lr_schedule_unit=epoch", "train.local_steps=5"], ["lr_schedule_unit"]),
     (["train.optimizer=adam", "train.momentum=0.9"], ["train.momentum"]),
-    (["algorithm.name=scaffold", "train.momentum=0.9"], ["algorithm.scaffold_control", "scaffold_control = I"]),
-    (["algorithm.name=scaffold", "train.optimizer=adam"], ["algorithm.scaffold_control", "scaffold_control = I"]),
+    (["algorithm.name=scaffold", "train.momentum=0.9"], ["algorithm.params.scaffold_control", "scaffold_control = I"]),
+    (["algorithm.name=scaffold", "train.optimizer=adam"], ["algorithm.params.scaffold_control", "scaffold_control = I"]),
     (["algorithm.name=fedgam_cv", "train.momentum=0.5"], ["train.momentum", "FedGAM-CV", "eq. 21"]),
-    (["algorithm.name=fedgam_cv", "algorithm.scaffold_control=I"], ["algorithm.scaffold_control", "eq. 21"]),
 ])
 def test_impossible_combinations_are_config_errors(overrides, words):
     with pytest.raises(ConfigError) as info:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fedddp import strategies
+from fedddp.client import rules
 from fedddp.config import AlgorithmConfig
 from fedddp.flat import runs_R3
 from fedddp.strategies import kernels
@@ -93,7 +94,14 @@ def rule_form(request, monkeypatch):
 
 
 def hp_of(**kwargs):
-    return AlgorithmConfig(**kwargs)
+    """An AlgorithmConfig with every built-in rule's own parameters at their defaults in params,
+    those given (cong_alpha=0.5) replacing them, the other keywords (server_lr=) as its fields."""
+    fields = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    defaults = {k: v for rule in [*strategies.SERVER_RULES.values(), *rules.RULES.values()]
+                for k, v in rule.params.items()}
+    given = {k: v for k, v in kwargs.items() if k not in fields}
+    assert set(given) <= set(defaults), f"not a built-in rule's parameter: {set(given) - set(defaults)}"
+    return AlgorithmConfig(**{k: v for k, v in kwargs.items() if k in fields}, params={**defaults, **given})
 
 
 def run(name, global_P, stacks, hp, state=None):

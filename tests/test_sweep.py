@@ -221,3 +221,21 @@ def test_paper_sweep_files_are_headed_and_every_combination_is_valid(path, tmp_p
     assert any(line.startswith(("# Table:", "# Figure:")) for line in header)
     _, _, points = sweep.plan(path, [], str(tmp_path))
     assert len(points) > 1 and all(p.status == "new" for p in points)
+
+
+def test_a_tuned_plugin_rule_is_swept_against_fedavg_in_one_file(tmp_path):
+    """Parameters belong to their rule: [algorithm.params."module:RULE"] is ignored by fedavg, so
+    one sweep file runs the tuned plugin and the baseline side by side, and an axis may tune it."""
+    rule = "examples.my_plugin:TRIMMED_MEAN"
+    path = tmp_path / "sweep.toml"
+    path.write_text(
+        '[run]\nrounds = 2\n[data]\nname = "examples.my_plugin:blobs"\nnum_clients = 12\npartition = "natural"\n'
+        '[model]\nname = "examples.my_plugin:SmallCNN"\n[algorithm]\nlocal = "examples.my_plugin:ClippedSGD"\n'
+        f'[algorithm.params."{rule}"]\ntrim = 0.2\n[algorithm.params."examples.my_plugin:ClippedSGD"]\nclip = 5.0\n'
+        f'[sweep]\n"algorithm.name" = ["fedavg", "{rule}"]\n')
+    _, _, points = sweep.plan(str(path), [], str(tmp_path / "out"))
+    assert [p.cfg.algorithm.params for p in points] == [{"clip": 5.0}, {"trim": 0.2, "clip": 5.0}]
+    _, _, points = sweep.plan(str(path), [f"algorithm.params.{rule}.trim=0.1,0.3"], str(tmp_path / "out2"))
+    assert sorted((p.cfg.algorithm.name, p.cfg.algorithm.params.get("trim")) for p in points) == [
+        ("examples.my_plugin:TRIMMED_MEAN", 0.1), ("examples.my_plugin:TRIMMED_MEAN", 0.3),
+        ("fedavg", None), ("fedavg", None)]

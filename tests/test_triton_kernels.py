@@ -291,7 +291,7 @@ def test_a_cpu_run_does_not_import_triton():
             "stacks = {'params_KP': torch.rand(3, 50), 'num_samples_K': torch.ones(3), "
             "'train_loss_K': torch.ones(3)}\n"
             "for rule in ('fedavg', 'fedcong'):\n"
-            "    strategies.get(rule).aggregate(torch.zeros(50), stacks, {}, AlgorithmConfig())\n"
+            "    strategies.get(rule).aggregate(torch.zeros(50), stacks, {}, AlgorithmConfig(params={'cong_alpha': 0.7}))\n"
             "strategies.kernels.describe(torch.device('cpu'), 'fedavg')\n"
             "print('triton' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in ("FEDDDP_KERNELS", "TRITON_INTERPRET")}

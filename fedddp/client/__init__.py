@@ -19,7 +19,7 @@ from ..data import ClientData
 from ..data.vision import augment_batch
 from ..errors import ConfigError
 from ..flat import FlatLayout
-from ..metrics.effective_rank import effective_ranks_L
+from ..metrics.effective_rank import effective_ranks_L, unfolding
 from ..sampling import batch_size_of
 from ..tasks import CLASSIFICATION, Task
 from ..models import dropout
@@ -155,7 +155,7 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     if "full_grad_KP" in needs:
         out["full_loss"] = full_batch_gradient(model, data, ctx.layout, out["full_grad_P"], ctx.task)
     if "eff_rank_KL" in needs:
-        out["eff_rank_L"] = effective_ranks_L(model, ctx.layout, ctx.hp.feder_unfold)
+        out["eff_rank_L"] = effective_ranks_L(model, ctx.layout, unfolding(ctx.hp))
 
 
 def start_gradient(model, data: ClientData, layout: FlatLayout, batch_size: int,

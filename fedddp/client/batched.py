@@ -71,7 +71,7 @@ from .. import strategies, tasks
 from ..data.vision import augment_batch
 from ..errors import ConfigError
 from ..flat import FlatLayout
-from ..metrics.effective_rank import effective_ranks_L
+from ..metrics.effective_rank import effective_ranks_L, unfolding
 from ..sampling import batch_size_of
 from ..models import dropout
 from ..registry import resolve
@@ -405,10 +405,10 @@ class BatchedTrainer:
             z_glob = at(global_T, global_buffers_T, x, mask, count, drops, training=False)[0].detach()
             z_prev = at(prev_T, prev_buffers_T, x, mask, count, drops, training=False)[0].detach()
             sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1),
-                                F.cosine_similarity(z, z_prev, dim=1)], dim=1) / hp.moon_tau
+                                F.cosine_similarity(z, z_prev, dim=1)], dim=1) / hp.params["moon_tau"]
             labels = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
             contrast = (F.cross_entropy(sims, labels, reduction="none") * mask).sum() / count
-            return data_loss + has_prev * (hp.moon_mu * contrast), (data_loss, stats)
+            return data_loss + has_prev * (hp.params["moon_mu"] * contrast), (data_loss, stats)
 
         return vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, 0, None, None, 0, 0, 0))
 
@@ -556,7 +556,7 @@ class BatchedTrainer:
             if "full_grad_KP" in needs:
                 out["full_loss"] = full_batch_gradient(self.model, data, layout, out["full_grad_P"], ctx.task)
             if "eff_rank_KL" in needs:
-                        out["eff_rank_L"] = effective_ranks_L(self.model, layout, hp.feder_unfold)
+                        out["eff_rank_L"] = effective_ranks_L(self.model, layout, unfolding(hp))
             out["train_time"] = seconds
 
     def _batches(self, schedules: list[_Schedule], step: int, device, group_x, group_y, offsets: list[int]):
@@ -629,19 +629,19 @@ class BatchedTrainer:
         name, scratch = self.rule.name, shared | stacks
         params_T = stacks["params"]
         if name in ("sam", "gam", "gam_cv"):
-            rho = hp.sam_rho if name == "sam" else hp.gam_rho
+            rho = hp.params["sam_rho"] if name == "sam" else hp.params["gam_rho"]
             shift_T = _ascent(grads_T, rho, 1e-12)
             adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count, drops)
-            direction_T = adv_T if name == "sam" else [torch.add(g, a, alpha=hp.gam_alpha * rho)
+            direction_T = adv_T if name == "sam" else [torch.add(g, a, alpha=hp.params["gam_alpha"] * rho)
                                                        for g, a in zip(grads_T, adv_T)]
         elif name == "smoo":
             mu_T, s_T = scratch["mu"], scratch["s"]
-            shift_T = _ascent([g - m - s for g, m, s in zip(grads_T, mu_T, s_T)], hp.sam_rho, 1e-7)
+            shift_T = _ascent([g - m - s for g, m, s in zip(grads_T, mu_T, s_T)], hp.params["sam_rho"], 1e-7)
             stacks["mu"] = [m + (e - s) for m, e, s in zip(mu_T, shift_T, s_T)]
             adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count, drops)
-            direction_T = [a + hp.smoo_lambda * (p - anc) for a, p, anc in zip(adv_T, params_T, scratch["anchor"])]
+            direction_T = [a + hp.params["smoo_lambda"] * (p - anc) for a, p, anc in zip(adv_T, params_T, scratch["anchor"])]
         elif name == "prox":
-            direction_T = [g + hp.prox_mu * (p - a) for g, p, a in zip(grads_T, params_T, scratch["anchor"])]
+            direction_T = [g + hp.params["prox_mu"] * (p - a) for g, p, a in zip(grads_T, params_T, scratch["anchor"])]
         else:
             direction_T = list(grads_T)
         if "correction" in scratch:  # SCAFFOLD, FedGAM-CV: c - c_k

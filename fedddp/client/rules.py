@@ -47,6 +47,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from ..params import at_least_zero, one_of, positive
 from ..registry import LOCAL_RULES
 
 # -- flat-vector helpers ------------------------------------------------------------------
@@ -139,6 +140,8 @@ class LocalRule:
     # the rule's own hyperparameters in [algorithm.params] (read as ctx.hp.params[name]), name ->
     # default; a given value must have the default's type (an int is taken for a float)
     params: dict = {}
+    # name -> one line for --help and the docs (fedddp.params)
+    param_docs: dict = {}
 
     @classmethod
     def check_params(cls, params: dict) -> list[str]:
@@ -167,13 +170,19 @@ class Prox(LocalRule):
 
     name = "prox"
     doc = __doc__
+    params = {"prox_mu": 0.1}
+    param_docs = {"prox_mu": "FedProx proximal weight mu."}
+
+    @classmethod
+    def check_params(cls, params: dict) -> list[str]:
+        return at_least_zero(params, "prox_mu")
 
     def begin(self, model, ctx) -> None:
         ctx.scratch["anchor"] = param_views(ctx.layout, ctx.global_P)
 
     def gradient(self, model, x, y, ctx):
         loss = super().gradient(model, x, y, ctx)
-        mu = ctx.hp.prox_mu
+        mu = ctx.hp.params["prox_mu"]
         with torch.no_grad():
             for p, a in zip(_params(model), ctx.scratch["anchor"]):
                 p.grad.add_(p - a, alpha=mu)
@@ -182,9 +191,9 @@ class Prox(LocalRule):
 
 class ControlVariates:
     """SCAFFOLD's client side, shared by SCAFFOLD and FedGAM-CV: the step direction gets c - c_k;
-    after tau steps at mean learning rate lr, option II (algorithm.scaffold_control = II, FedGAM-CV's
+    after tau steps at mean learning rate lr, option II (scaffold_control = II, FedGAM-CV's
     eq. 21) sets c_k+ = c_k - c + (w_global - w_k) / (tau lr), which holds for plain SGD only;
-    option I (SCAFFOLD only; config validation refuses the other pairs) sets c_k+ = the client's
+    option I (SCAFFOLD's scaffold_control = I) sets c_k+ = the client's
     full local gradient at w_global (fedddp.client.start_gradient), for any optimizer. Zero on
     buffers; the report carries c_k+ - c_k."""
 
@@ -201,9 +210,6 @@ class ControlVariates:
         loss = super().gradient(model, x, y, ctx)
         self._add_correction(_params(model), ctx)
         return loss
-
-    def needs_start_gradient(self, hp) -> bool:
-        return hp.scaffold_control == "I"
 
     def _begin_control(self, ctx) -> None:
         c_P = ctx.server_view["control_P"]
@@ -236,6 +242,18 @@ class Scaffold(ControlVariates, LocalRule):
 
     name = "scaffold"
     doc = __doc__
+    params = {"scaffold_control": "II"}
+    param_docs = {"scaffold_control": "SCAFFOLD's client control update. II: c_k+ = c_k - c + (w - w_k) / "
+                                      "(tau lr), exact only for plain SGD; I: c_k+ = the gradient of the "
+                                      "client's mean loss at the global model w (one extra pass over its "
+                                      "data), valid for any optimizer."}
+
+    @classmethod
+    def check_params(cls, params: dict) -> list[str]:
+        return one_of(params, "scaffold_control", ("II", "I"))
+
+    def needs_start_gradient(self, hp) -> bool:
+        return hp.params["scaffold_control"] == "I"
 
 
 class Moon(LocalRule):
@@ -248,6 +266,15 @@ class Moon(LocalRule):
     name = "moon"
     client_state = ("prev_P",)
     doc = __doc__
+    params = {"moon_mu": 1.0, "moon_tau": 0.5, "moon_proj_dim": 256}
+    param_docs = {"moon_mu": "MOON contrastive weight mu.", "moon_tau": "MOON temperature tau.",
+                  "moon_proj_dim": "MOON projection head output size: a 2-layer MLP (d -> d -> this) between "
+                                   "the features and the classifier, as in MOON's code; 0: no head, the "
+                                   "contrastive term reads the features."}
+
+    @classmethod
+    def check_params(cls, params: dict) -> list[str]:
+        return at_least_zero(params, "moon_mu", "moon_proj_dim") + positive(params, "moon_tau")
 
     def begin(self, model, ctx) -> None:
         frozen = []
@@ -269,9 +296,9 @@ class Moon(LocalRule):
             with torch.no_grad():
                 z_glob, z_prev = _represent(glob, x), _represent(prev, x)
             sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1),
-                                F.cosine_similarity(z, z_prev, dim=1)], dim=1) / ctx.hp.moon_tau
+                                F.cosine_similarity(z, z_prev, dim=1)], dim=1) / ctx.hp.params["moon_tau"]
             labels = torch.zeros(len(y), dtype=torch.long, device=y.device)
-            total = loss + ctx.hp.moon_mu * F.cross_entropy(sims, labels)
+            total = loss + ctx.hp.params["moon_mu"] * F.cross_entropy(sims, labels)
         backward(total, _params(model))
         return loss
 
@@ -291,9 +318,15 @@ class Sam(LocalRule):
     name = "sam"
     doc = __doc__
     eps = 1e-12
+    params = {"sam_rho": 0.1}
+    param_docs = {"sam_rho": "FedSAM / FedSMOO perturbation radius rho."}
+
+    @classmethod
+    def check_params(cls, params: dict) -> list[str]:
+        return at_least_zero(params, *cls.params)
 
     def rho(self, ctx) -> float:
-        return ctx.hp.sam_rho
+        return ctx.hp.params["sam_rho"]
 
     def gradient(self, model, x, y, ctx):
         params = _params(model)
@@ -313,12 +346,15 @@ class Gam(Sam):
 
     name = "gam"
     doc = __doc__
+    params = {"gam_rho": 0.02, "gam_alpha": 0.2}
+    param_docs = {"gam_rho": "FedGAM perturbation radius rho.", "gam_alpha": "FedGAM weight alpha of the "
+                                                                             "gradient-norm term."}
 
     def rho(self, ctx) -> float:
-        return ctx.hp.gam_rho
+        return ctx.hp.params["gam_rho"]
 
     def direction(self, model, x, y, ctx, params, grads):
-        rho, alpha = ctx.hp.gam_rho, ctx.hp.gam_alpha
+        rho, alpha = ctx.hp.params["gam_rho"], ctx.hp.params["gam_alpha"]
         adv = _grads_at(model, x, y, params, _ascent(grads, rho, self.eps), ctx.task.loss)
         return [torch.add(g, a, alpha=alpha * rho) for g, a in zip(grads, adv)]
 
@@ -344,6 +380,12 @@ class Smoo(LocalRule):
     reports = ("perturb_dual_KP",)
     doc = __doc__
     eps = 1e-7
+    params = {"sam_rho": 0.1, "smoo_lambda": 0.1}
+    param_docs = {"sam_rho": Sam.param_docs["sam_rho"], "smoo_lambda": "FedSMOO dual penalty lambda."}
+
+    @classmethod
+    def check_params(cls, params: dict) -> list[str]:
+        return at_least_zero(params, *cls.params)
 
     def begin(self, model, ctx) -> None:
         s_P = ctx.server_view["perturb_P"]
@@ -362,12 +404,12 @@ class Smoo(LocalRule):
         grads = torch.autograd.grad(loss, params)
         mu, s = ctx.scratch["mu"], ctx.scratch["s"]
         corrected = [g - m - s_ for g, m, s_ in zip(grads, mu, s)]
-        shift = _ascent(corrected, ctx.hp.sam_rho, self.eps)
+        shift = _ascent(corrected, ctx.hp.params["sam_rho"], self.eps)
         with torch.no_grad():
             for m, e, s_ in zip(mu, shift, s):
                 m.add_(e - s_)
         adv = _grads_at(model, x, y, params, shift, ctx.task.loss)
-        lam = ctx.hp.smoo_lambda
+        lam = ctx.hp.params["smoo_lambda"]
         with torch.no_grad():
             # lambda (w - w_global + h_k) = lambda (w - anchor), anchor = w_global - h_k
             direction = [a + lam * (p - anc) for a, p, anc in zip(adv, params, ctx.scratch["anchor"])]

@@ -168,6 +168,13 @@ def layer_effective_rank(weight_4d, unfold: str = "average") -> float:
     return 0.5 * (_unfold_rank(weight, 0) + _unfold_rank(weight, 1))
 
 
+def unfolding(hp) -> str:
+    """The conv-kernel unfolding a run's clients compute effective ranks with: FedER's
+    feder_unfold, or the mean of both modes for another server rule that reads eff_rank_KL (a
+    plugin), which declares no such parameter."""
+    return hp.params.get("feder_unfold", "average")
+
+
 @torch.no_grad()
 def effective_ranks_L(model: torch.nn.Module, layout, unfold: str = "average") -> torch.Tensor:
     """float32 [L] (CPU): the effective rank of each conv kernel of ``model``, in the order of

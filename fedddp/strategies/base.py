@@ -51,8 +51,10 @@ class Strategy:
     # round, also one without reports that leaves the state as it was (DP-FedAvg's epsilon)
     ledger: Callable[[State, Stacks, object], dict] | None = None
     # the rule's own hyperparameters in [algorithm.params], name -> default (its type is the
-    # type a given value must have; an int is taken for a float)
+    # type a given value must have; an int is taken for a float), read as hp.params[name]
     params: dict = dataclasses.field(default_factory=dict)
+    # name -> one line for --help and the docs (fedddp.params)
+    param_docs: dict = dataclasses.field(default_factory=dict)
     # check_params(params) -> one error line per bad value (params with defaults filled in)
     check_params: Callable[[dict], list[str]] | None = None
     # the rule reads hp.server_lr (it has a server step for it to scale); otherwise a value

@@ -1,7 +1,7 @@
 """Corrective gradient weights, CGW (Mousazadeh et al., seed 000, eqs. 13, 24-29).
 
 Client k reports D_k, the full-batch gradient of its mean loss at its trained model, and L_k,
-that loss. With D = sum_j D_j (j = k included: eq. 6, m_i = D_i . D) and alpha = hp.cgw_alpha:
+that loss. With D = sum_j D_j (j = k included: eq. 6, m_i = D_i . D) and alpha = hp.params["cgw_alpha"]:
   m_k = D_k . D
   c   = min_k alpha L_k / ||D_k||     (eq. 13)
   x_k = c / sqrt(sum_j (m_j / ||D_j||)^2) * m_k / ||D_k||^2     (eq. 29)
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from ..params import at_least_zero
 from .base import Strategy, client_weights_K, column_block, register, weighted_mean_P
 
 # x_k outside [2^-100, 2^100] (a gradient norm far from 1) is applied in float64: float32 would
@@ -82,7 +83,7 @@ def aggregate(global_P, stacks, state, hp):
     weights_K = client_weights_K(stacks, hp)
     sq_norm_K, m_K = norms_and_agreement_K(grads_KP)
     x_K, c, num_zero = corrective_weights_K(sq_norm_K, m_K, stacks["full_loss_K"],
-                                            float(hp.cgw_alpha))
+                                            float(hp.params["cgw_alpha"]))
     size_K = x_K.abs()
     scaled_K = (size_K > FLOAT32_SAFE_X) | ((size_K < 1.0 / FLOAT32_SAFE_X) & (size_K > 0))
     x32_K = torch.where(scaled_K, 0.0, x_K).to(params_KP.dtype)
@@ -102,4 +103,7 @@ def aggregate(global_P, stacks, state, hp):
     return new_global_P, state, diagnostics
 
 
-CGW = register(Strategy("cgw", aggregate, needs=frozenset({"full_grad_KP", "full_loss_K"}), doc=__doc__))
+CGW = register(Strategy("cgw", aggregate, needs=frozenset({"full_grad_KP", "full_loss_K"}), doc=__doc__,
+                        params={"cgw_alpha": 0.1}, check_params=lambda params: at_least_zero(params, "cgw_alpha"),
+                        param_docs={"cgw_alpha": "Corrective gradient weights: alpha in c = min_k alpha L_k / "
+                                                 "||D_k|| (0 gives FedAvg)."}))

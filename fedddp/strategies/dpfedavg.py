@@ -12,7 +12,7 @@ clipped and z = 0, the weights and the fused weighted mean are FedAvg's (uniform
 eta = hp.server_lr is the server's step along the noised mean update, as for FedAvg (1, the
 paper's rule, leaves the bits as they are); it acts after the noise, so it costs no privacy.
 
-Privacy: ``epsilon`` (written every round, at ``hp.dp_delta``) is the RDP accountant's bound for
+Privacy: ``epsilon`` (written every round, at ``hp.params["dp_delta"]``) is the RDP accountant's bound for
 the mechanism fedddp runs, from Google's dp-accounting (``pip install fedddp[dp]``):
   - Sampling: exactly K of the N clients, uniformly without replacement (fedddp.sampling), so
     every aggregation is SampledWithoutReplacementDpEvent(N, K, ...), whose RDP is the bound
@@ -54,6 +54,7 @@ import math
 import torch
 
 from ..sampling import _mix
+from ..params import at_least_zero
 from .base import Strategy, register, server_step, weighted_mean_P
 
 _NOISE_STREAM = 0xD9_0153
@@ -99,29 +100,48 @@ def init_state(global_P, hp):
 def aggregate(global_P, stacks, state, hp):
     params_KP = stacks["params_KP"]
     num_sampled = stacks["num_sampled"].to(params_KP.dtype)
-    scale_K = clip_factors_K(params_KP - global_P, hp.dp_clip)
+    scale_K = clip_factors_K(params_KP - global_P, hp.params["dp_clip"])
     share_K = torch.ones_like(scale_K) / num_sampled  # FedAvg's uniform weights when all report
     # w's own weight 1 - sum_k s_k / K, as sums that are exactly 0 when every sampled client
     # reported within the bound (so the neutral setting keeps FedAvg's bits)
     stay = (share_K * (1 - scale_K)).sum() + (num_sampled - scale_K.shape[0]) / num_sampled
     new_global_P = weighted_mean_P(share_K * scale_K, params_KP) + stay * global_P
     steps = state["dp_steps"] + 1
-    if hp.dp_noise > 0:
+    if hp.params["dp_noise"] > 0:
         gen = torch.Generator(device=global_P.device).manual_seed(
             _mix(_NOISE_STREAM, int(stacks["noise_seed"]), int(steps)))
         noise_P = torch.randn(global_P.shape, generator=gen, device=global_P.device, dtype=global_P.dtype)
-        new_global_P = new_global_P + noise_P * (hp.dp_noise * hp.dp_clip / num_sampled)
+        new_global_P = new_global_P + noise_P * (hp.params["dp_noise"] * hp.params["dp_clip"] / num_sampled)
     new_global_P = server_step(global_P, new_global_P, hp.server_lr)
     return new_global_P, {"dp_steps": steps}, {"clipped_fraction": (scale_K < 1).float().mean()}
 
 
 def ledger(state, static, hp):
     """The privacy spent so far, written every round (a round without reports spends none)."""
-    eps = epsilon(hp.dp_noise, int(static["num_sampled"]), int(static["num_clients"]),
-                  int(state["dp_steps"]), hp.dp_delta)
+    eps = epsilon(hp.params["dp_noise"], int(static["num_sampled"]), int(static["num_clients"]),
+                  int(state["dp_steps"]), hp.params["dp_delta"])
     return {"epsilon": torch.tensor(eps, dtype=torch.float64)}
+
+
+# dp_clip's default 0 is no bound at all: a DP run names its clip (DP-FedAvg's C has no neutral value)
+PARAMS = {"dp_clip": 0.0, "dp_noise": 1.0, "dp_delta": 1e-5}
+PARAM_DOCS = {
+    "dp_clip": "DP-FedAvg: L2 norm C each client's update is clipped to; must be set > 0.",
+    "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z C on the sum of the clipped updates.",
+    "dp_delta": "DP-FedAvg: the delta at which metrics.jsonl's epsilon is given."}
+
+
+def check_params(params: dict) -> list[str]:
+    errors = at_least_zero(params, "dp_noise")
+    if not params["dp_clip"] > 0:
+        errors.append(f"algorithm.params.dp_clip: dpfedavg clips each client's update to this L2 norm; set it "
+                      f"> 0, got {params['dp_clip']}")
+    if not 0 < params["dp_delta"] < 1:
+        errors.append(f"algorithm.params.dp_delta: must be in (0, 1), got {params['dp_delta']}")
+    return errors
 
 
 DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger,
                              needs=frozenset({"num_sampled", "num_clients", "noise_seed"}), doc=__doc__,
-                             takes_server_lr=True))
+                             takes_server_lr=True, params=PARAMS, check_params=check_params,
+                             param_docs=PARAM_DOCS))

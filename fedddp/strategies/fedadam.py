@@ -42,4 +42,8 @@ def check_params(params: dict) -> list[str]:
 
 
 FEDADAM = register(Strategy("fedadam", aggregate, init_state=init_state, doc=__doc__, check_params=check_params,
-                            params={"eta": 1e-2, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3}))
+                            params={"eta": 1e-2, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3},
+                            param_docs={"eta": "FedAdam: the server's step size.",
+                                        "beta1": "FedAdam: decay of the first moment m.",
+                                        "beta2": "FedAdam: decay of the second moment v.",
+                                        "tau": "FedAdam: degree of adaptivity (added to sqrt(v))."}))

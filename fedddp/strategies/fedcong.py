@@ -2,7 +2,7 @@
 update agrees in sign, when enough of them do.
 
 For coordinate j, u_kj = w_kj - w_j, P_j = #{k: u_kj > 0}, N_j = #{k: u_kj < 0} (zero counts as
-neither). With alpha = hp.cong_alpha:
+neither). With alpha = hp.params["cong_alpha"]:
   P_j >= alpha K -> average the clients with u_kj > 0
   N_j >= alpha K -> average the clients with u_kj < 0
   otherwise      -> average all clients.
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from ..params import in_unit
 from .base import Strategy, client_weights_K, column_block, min_agreeing, register
 
 
@@ -46,7 +47,7 @@ def aggregate(global_P, stacks, state, hp):
     num_clients, num_params = params_KP.shape
     dtype, device = params_KP.dtype, params_KP.device
     weights_K = client_weights_K(stacks, hp)
-    need = max(1, min_agreeing(hp.cong_alpha, num_clients))  # >= 1: an empty group never qualifies
+    need = max(1, min_agreeing(hp.params["cong_alpha"], num_clients))  # >= 1: an empty group never qualifies
     lib = kernels.lib(params_KP, global_P, rule="fedcong")
     if lib is not None:
         new_global_P, took_pos, took_neg = kernels.fedcong(lib, params_KP, weights_K, global_P, need)
@@ -128,4 +129,6 @@ def _diagnostics(took_2: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
             "cong_all": (1.0 - took_2.sum()).to(dtype)}
 
 
-FEDCONG = register(Strategy("fedcong", aggregate, doc=__doc__))
+FEDCONG = register(Strategy("fedcong", aggregate, doc=__doc__, params={"cong_alpha": 0.7},
+                            check_params=lambda params: in_unit(params, "cong_alpha"),
+                            param_docs={"cong_alpha": "FedCong: fraction of clients that must agree in sign."}))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from ..params import one_of
 from .base import Strategy, register
 
 MIN_RANK = 1e-3
@@ -53,4 +54,8 @@ def aggregate(global_P, stacks, state, hp):
 
 
 FEDER = register(Strategy("feder", aggregate, needs=frozenset({"eff_rank_KL", "conv_runs_R3"}),
-                          doc=__doc__))
+                          doc=__doc__, params={"feder_unfold": "average"},
+                          check_params=lambda params: one_of(params, "feder_unfold", ("average", "out", "in")),
+                          param_docs={"feder_unfold": "FedER: conv kernel unfolding for the effective rank "
+                                                      "(computed on the clients): output mode (out), input "
+                                                      "mode (in), or the mean of both (average)."}))

@@ -1,12 +1,12 @@
 """FedGMA (Tenison et al., seed 001, Alg. 1): FedAvg plus a server step along the AND-masked
 client gradients.
 
-  mask_j = 1{ |sum_k sign(g_kj)| >= p K }   (non-strict; sign(0) = 0; p = hp.gma_threshold)
+  mask_j = 1{ |sum_k sign(g_kj)| >= p K }   (non-strict; sign(0) = 0; p = hp.params["gma_threshold"])
   grad   = sum_k p_k g_kj * mask_j
   w      = sum_k p_k w_k - eta_s grad        (eta_s = hp.server_lr)
 
-g_k is the minibatch gradient at the client's last local step (hp.gma_grad = "last", the
-paper's choice) or the update w - w_k ("delta"). hp.gma_mask = "soft" (the 2023 follow-up)
+g_k is the minibatch gradient at the client's last local step (gma_grad = "last", the
+paper's choice) or the update w - w_k ("delta"). gma_mask = "soft" (the 2023 follow-up)
 replaces the 0/1 mask by 1 where the agreement |sum_k sign(g_kj)| / K reaches p and by the
 agreement itself below it (the same non-strict threshold as the hard mask).
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from ..params import in_unit, one_of
 from .base import (Strategy, client_weights_K, column_block, min_agreeing, register,
                weighted_mean_P)
 
@@ -36,9 +37,9 @@ def aggregate(global_P, stacks, state, hp):
     params_KP = stacks["params_KP"]
     num_clients, num_params = params_KP.shape
     weights_K = client_weights_K(stacks, hp)
-    use_delta = hp.gma_grad == "delta"
-    soft = hp.gma_mask == "soft"
-    need = min_agreeing(hp.gma_threshold, num_clients)
+    use_delta = hp.params["gma_grad"] == "delta"
+    soft = hp.params["gma_mask"] == "soft"
+    need = min_agreeing(hp.params["gma_threshold"], num_clients)
     grads_KP = None if use_delta else stacks["last_grad_KP"]
     lib = kernels.lib(params_KP, global_P, *([] if use_delta else [grads_KP]), rule="fedgma")
     if lib is not None:
@@ -79,8 +80,20 @@ def aggregate(global_P, stacks, state, hp):
 
 
 def needs(hp) -> frozenset:
-    return frozenset() if hp.gma_grad == "delta" else frozenset({"last_grad_KP"})
+    return frozenset() if hp.params["gma_grad"] == "delta" else frozenset({"last_grad_KP"})
+
+
+def check_params(params: dict) -> list[str]:
+    return (in_unit(params, "gma_threshold") + one_of(params, "gma_grad", ("last", "delta"))
+            + one_of(params, "gma_mask", ("hard", "soft")))
 
 
 FEDGMA = register(Strategy("fedgma", aggregate, needs=frozenset({"last_grad_KP"}), needs_fn=needs,
-                           doc=__doc__, takes_server_lr=True))
+                           doc=__doc__, takes_server_lr=True, check_params=check_params,
+                           params={"gma_threshold": 0.8, "gma_grad": "last", "gma_mask": "hard"},
+                           param_docs={
+                               "gma_threshold": "FedGMA: agreement threshold p of the AND-mask.",
+                               "gma_grad": "FedGMA: which client gradient is masked: the one at the last local "
+                                           "step (last), or the update delta w - w_k (delta).",
+                               "gma_mask": "FedGMA mask: hard 0/1 AND-mask, or soft (agreement where below "
+                                           "threshold)."}))

@@ -1,7 +1,7 @@
 """FedMom (Fernandes et al., seed 004, eqs. 4-6): server momentum over the FedAvg update.
 
 delta = sum_k p_k (w_k - w);  v <- m v + delta;  w <- w + eta v.
-(m = hp.server_momentum; eta = hp.server_lr, 1 in the paper: Flower's FedAvgM step
+(m = hp.params["server_momentum"]; eta = hp.server_lr, 1 in the paper: Flower's FedAvgM step
 w <- w - eta (momentum buffer) with the same unscaled buffer.)
 
 Since sum_k p_k = 1, w + v = w + m v_old + (FedAvg - w) = FedAvg + m v_old: at eta = 1 the new
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from ..params import in_unit
 from .base import Strategy, client_weights_K, register, server_step, weighted_mean_P
 
 
@@ -30,7 +31,7 @@ def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:
 
 
 def aggregate(global_P, stacks, state, hp):
-    momentum, server_lr = float(hp.server_momentum), float(hp.server_lr)
+    momentum, server_lr = float(hp.params["server_momentum"]), float(hp.server_lr)
     params_KP, previous_P = stacks["params_KP"], state["previous_P"]
     weights_K = client_weights_K(stacks, hp)
     lib = kernels.lib(params_KP, global_P, previous_P, rule="fedmom")
@@ -46,5 +47,10 @@ def aggregate(global_P, stacks, state, hp):
     return new_global_P, {"previous_P": global_P}, {"velocity_norm": velocity_norm}
 
 
-FEDMOM = register(Strategy("fedmom", aggregate, init_state=init_state, doc=__doc__,
-                           takes_server_lr=True))
+def check_params(params: dict) -> list[str]:
+    return in_unit(params, "server_momentum")
+
+
+FEDMOM = register(Strategy("fedmom", aggregate, init_state=init_state, doc=__doc__, takes_server_lr=True,
+                           params={"server_momentum": 0.9}, check_params=check_params,
+                           param_docs={"server_momentum": "FedMom server momentum delta_m (0 gives FedAvg)."}))

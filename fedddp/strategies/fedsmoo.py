@@ -2,7 +2,7 @@
 
   H <- H + sum_{k in S} (w_k - w)                 H = sum over all N clients of their drift h_k
   w <- sum_k p_k w_k + H / N                      (FedDyn-style correction; N = data.num_clients)
-  m  = sum_k p_k mu_k;   s <- rho m / (||m|| + 1e-7)    (rho = hp.sam_rho)
+  m  = sum_k p_k mu_k;   s <- rho m / (||m|| + 1e-7)    (rho = hp.params["sam_rho"])
 
 Each client keeps its own h_k and mu_k (the ``smoo`` local rule, fedddp.client.rules); the
 server keeps H (``drift_sum_P``) instead of the reference code's [N, P] table, which is the same
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..params import at_least_zero
 from .base import Strategy, client_weights_K, register, weighted_mean_P
 
 
@@ -33,10 +34,13 @@ def aggregate(global_P, stacks, state, hp):
     new_global_P = mean_P + drift_sum_P / stacks["num_clients"].to(global_P.dtype)
     dual_P = weighted_mean_P(weights_K, stacks["perturb_dual_KP"])
     norm = torch.linalg.vector_norm(dual_P)
-    perturb_P = dual_P * (float(hp.sam_rho) / (norm + 1e-7))
+    perturb_P = dual_P * (float(hp.params["sam_rho"]) / (norm + 1e-7))
     return new_global_P, {"drift_sum_P": drift_sum_P, "perturb_P": perturb_P}, {"dual_norm": norm}
 
 
 FEDSMOO = register(Strategy("fedsmoo", aggregate,
                             needs=frozenset({"perturb_dual_KP", "num_clients", "param_mask_P"}),
-                            init_state=init_state, client_visible=("perturb_P",), doc=__doc__))
+                            init_state=init_state, client_visible=("perturb_P",), doc=__doc__,
+                            params={"sam_rho": 0.1}, check_params=lambda params: at_least_zero(params, "sam_rho"),
+                            param_docs={"sam_rho": "FedSAM / FedSMOO perturbation radius rho (the smoo "
+                                                   "clients' and the server's)."}))

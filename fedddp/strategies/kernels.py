@@ -275,8 +275,8 @@ def _probe_inputs():
               "train_loss_K": torch.rand(K, generator=gen), "last_grad_KP": grads_KP,
               "full_grad_KP": grads_KP, "full_loss_K": 0.5 + torch.rand(K, generator=gen),
               "eff_rank_KL": 3 * torch.rand(K, 8, generator=gen), "conv_runs_R3": runs_R3(group_P)}
-    hp = AlgorithmConfig(server_momentum=0.9, cong_alpha=0.7, gma_threshold=0.8, server_lr=1.0,
-                         cgw_alpha=0.1)
+    hp = AlgorithmConfig(server_lr=1.0, params={"server_momentum": 0.9, "cong_alpha": 0.7, "gma_threshold": 0.8,
+                                                "gma_grad": "last", "gma_mask": "hard", "cgw_alpha": 0.1})
     return global_P, stacks, hp
 
 

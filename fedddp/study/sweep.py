@@ -83,10 +83,12 @@ def override_text(value, path: str) -> str:
 
 def axis_from(key: str, values, where: str) -> Axis:
     keys = tuple(k.strip() for k in key.split("+"))
-    # a rule's own parameter is one more level down: algorithm.params.NAME
-    if any(k.count(".") != (2 if k.startswith("algorithm.params.") else 1) or not all(k.split(".")) for k in keys):
+    # a rule's own parameter is one or two levels down: algorithm.params.NAME, or
+    # algorithm.params.RULE.NAME (RULE may be a module:attr path, dots and all)
+    if any((k.count(".") < 2 if k.startswith("algorithm.params.") else k.count(".") != 1) or not all(k.split("."))
+           for k in keys):
         raise ConfigError(f"{where}{key}: a sweep key is section.key (or several joined by +), "
-                          "e.g. algorithm.name, or algorithm.params.NAME")
+                          "e.g. algorithm.name, algorithm.params.NAME or algorithm.params.RULE.NAME")
     if "run.out_dir" in keys:
         raise ConfigError(f"{where}run.out_dir: set by the sweep (one folder per combination under --out)")
     values = values if isinstance(values, list) else [values]
