@@ -75,13 +75,21 @@ def identity(cfg: config.Config) -> dict:
 def identity_changes(saved: dict, now: dict) -> list[str]:
     """'key old -> new' for every key whose value differs. A key the checkpoint does not name
     (added to fedddp after it was written) is no change while it keeps its default: a new key's
-    default is the behaviour fedddp had before it."""
+    default is the behaviour fedddp had before it. ``auto`` now takes what the checkpoint resolved
+    it to (config.same_setting: run.parallel_clients), which the resumed run then uses."""
     unset, defaults = "(unset)", identity(config.Config())
     # a table (algorithm.params) is compared entry by entry: its changed names, not two whole dicts
     saved, now = _flat_tables(saved), _flat_tables(now)
+    same = config.same_setting
     return [f"{key} {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
-            for key in sorted(saved.keys() | now.keys()) if saved.get(key, unset) != now.get(key, unset)
+            for key in sorted(saved.keys() | now.keys()) if not same(key, saved.get(key, unset), now.get(key, unset))
             and not (key not in saved and key in defaults and now.get(key) == defaults[key])]
+
+
+def identity_of(folder: str) -> dict:
+    """The run identity a round folder's manifest records ({} without a readable manifest)."""
+    manifest, _ = _read_manifest(folder)
+    return manifest["identity"] if manifest else {}
 
 
 def _flat_tables(keys: dict) -> dict:
