@@ -97,7 +97,8 @@ def check(path: str | None, overrides: list[str], data: bool = True) -> config.C
     if data:
         built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
         model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
-        if cfg.run.parallel_clients > 1:  # one side-by-side step, as the run tries before round 1
+        # one side-by-side step, as the run tries before round 1 (auto falls back to 1 where it fails)
+        if cfg.run.parallel_clients != "auto" and cfg.run.parallel_clients > 1:
             try_side_by_side(cfg, model, built)
     return cfg
 

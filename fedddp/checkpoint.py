@@ -75,13 +75,15 @@ def identity(cfg: config.Config) -> dict:
 def identity_changes(saved: dict, now: dict) -> list[str]:
     """'key old -> new' for every key whose value differs. A key the checkpoint does not name
     (added to fedddp after it was written) is no change while it keeps its default: a new key's
-    default is the behaviour fedddp had before it."""
+    default is the behaviour fedddp had before it. ``auto`` now takes what the checkpoint resolved
+    it to (config.same_setting: run.parallel_clients), which the resumed run then uses."""
     unset, defaults = "(unset)", identity(config.Config())
     saved = translated(saved, now)
     # a table (algorithm.params) is compared entry by entry: its changed names, not two whole dicts
     saved, now = _flat_tables(saved), _flat_tables(now)
+    same = config.same_setting
     return [f"{key} {saved.get(key, unset)!r} -> {now.get(key, unset)!r}"
-            for key in sorted(saved.keys() | now.keys()) if saved.get(key, unset) != now.get(key, unset)
+            for key in sorted(saved.keys() | now.keys()) if not same(key, saved.get(key, unset), now.get(key, unset))
             and not (key not in saved and key in defaults and now.get(key) == defaults[key])]
 
 
@@ -89,7 +91,10 @@ def translated(saved: dict, now: dict) -> dict:
     """An identity written while the built-in rules' hyperparameters were flat keys
     (algorithm.cong_alpha: config.ALIASES) as it reads today: each becomes the algorithm.params
     entry of that name when the run's rules declare it (``now``'s params hold every declared name),
-    and is dropped otherwise, since no rule of that run read it."""
+    and is dropped otherwise, since no rule of that run read it. Without run.parallel_clients (older
+    than the key) it is 1, that key's default then."""
+    if "run.parallel_clients" not in saved:
+        saved = {**saved, "run.parallel_clients": 1}
     flat = [k for k in saved if k.startswith("algorithm.") and k.removeprefix("algorithm.") in config.ALIASES]
     if not flat:
         return saved
@@ -100,6 +105,12 @@ def translated(saved: dict, now: dict) -> dict:
         if name in declared:
             params.setdefault(name, saved[key])
     return {**{k: v for k, v in saved.items() if k not in flat}, "algorithm.params": params}
+
+
+def identity_of(folder: str) -> dict:
+    """The run identity a round folder's manifest records ({} without a readable manifest)."""
+    manifest, _ = _read_manifest(folder)
+    return manifest["identity"] if manifest else {}
 
 
 def _flat_tables(keys: dict) -> dict:

@@ -21,6 +21,10 @@ from . import plugins, tasks
 from .errors import ConfigError, close_match
 
 
+# An int, or "auto": resolved when the run starts (run.parallel_clients).
+IntOrAuto = int | typing.Literal["auto"]
+
+
 def opt(default: Any, doc: str, choices: tuple | None = None, plugin: bool = False):
     """A config field: its default, the one-line doc shown in ``--help`` and the docs, (for
     strings) the valid choices, and whether a ``module:attr`` import path may stand for a choice
@@ -73,11 +77,31 @@ class RunConfig:
     deadline_steps: int = opt(0, "Drop (as a straggler) every sampled client whose local steps this round "
                                  "exceed this many; 0: no deadline. It does not train and its client "
                                  "state is untouched.")
-    parallel_clients: int = opt(1, "Clients a rank trains side by side (B) as one batched computation over "
-                                   "stacked parameters (fedddp.client.batched; for GPUs); 1: one after "
-                                   "another, the reference, which B > 1 equals to float32 rounding. On CPU "
-                                   "it loses for the CNN and wins for small models such as the FFNN "
-                                   "(BENCHMARKS.md).")
+    parallel_clients: IntOrAuto = opt("auto", "Clients a rank trains side by side (B) as one batched computation "
+                                              "over stacked parameters (fedddp.client.batched); 1: one after "
+                                              "another, the reference, which B > 1 equals to float32 rounding (B "
+                                              "decides bits: config.toml and checkpoints record it). auto: on CPU "
+                                              "1; on CUDA the most clients that fit in free memory, at most the "
+                                              "clients a rank trains a round; on resume the checkpoint's B; the "
+                                              "start line says which. On CPU side by side pays only for small "
+                                              "models (a few thousand parameters) whose clients take similar "
+                                              "numbers of steps: with uneven clients it loses (a 1,146-parameter "
+                                              "MLP on the quickstart's clients at B = 8: 2.6x slower), and the "
+                                              "CNN and ResNet-18 lose at any B. With B > 1 on CPU the start line "
+                                              "gives a quick measurement's prediction and warns when one after "
+                                              "another is faster (docs/running.md).")
+
+
+# Keys whose "auto" is resolved when a run starts (run.parallel_clients: from the device, or the
+# checkpoint's on resume): a run folder's config.toml and a checkpoint's identity hold the resolved
+# value, and a config that says "auto" accepts any recorded one (same_setting).
+RESOLVED_AT_START = frozenset({"run.parallel_clients"})
+
+
+def same_setting(key: str, recorded: Any, configured: Any) -> bool:
+    """Whether a value recorded by a run (config.toml, a checkpoint's identity) is what the config
+    asks for: equal, or ``auto`` for a key resolved when the run starts."""
+    return recorded == configured or (key in RESOLVED_AT_START and configured == "auto")
 
 
 # Keys that may differ between a checkpoint and the run that resumes from it: they do not decide
@@ -249,6 +273,13 @@ def _coerce(value: Any, typ: type, path: str, errors: list[str], text: bool = Fa
     """A TOML value (typed: ``rounds = "3"`` is an error) or, with ``text``, an override's string
     (parsed: ``run.rounds=3``) -> the field's type; None after appending an error naming the path.
     Numbers must be finite and integers must fit in 64 bits."""
+    if typ == IntOrAuto:  # "auto", else an int whose errors say that auto is taken too
+        if (value.strip() if text and isinstance(value, str) else value) == "auto":
+            return "auto"
+        mine: list[str] = []
+        value = _coerce(value, int, path, mine, text)
+        errors += [e.replace("expected int,", 'expected int or "auto",', 1) for e in mine]
+        return value
     if text and typ is not str:
         word = value.strip()
         try:

@@ -20,7 +20,7 @@ import torch
 from . import checkpoint, config, logs, outdir, participation, strategies, tasks
 from .algorithms import build_model, describe as describe_algorithm
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
-from .client import rules as local_rules
+from .client import parallel, rules as local_rules
 from .client.batched import BatchedTrainer
 from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
 from .data import ClientData, LazyClients, build as build_data
@@ -355,6 +355,7 @@ class Setup:
     last_ckpt: str | None = None
     rows_buffer: torch.Tensor | None = None
     gather_buffer: torch.Tensor | None = None
+    clients_note: str = ""        # the start line's words on run.parallel_clients (client/parallel.py)
 
 
 def _run(cfg: config.Config, comm, resume_round: int) -> dict:
@@ -432,6 +433,13 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap)
     client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
         rc.out_dir, "client_state", f"rank{comm.rank}"))
+    ckpt_root = os.path.join(rc.out_dir, "checkpoints")
+    # run.parallel_clients = auto becomes the B this run uses (in cfg: config.toml and the
+    # checkpoints' identity record it); on resume the checkpoint's B, which decides the bits
+    resumed = checkpoint.identity_of(checkpoint.round_dir(ckpt_root, resume_round)).get("run.parallel_clients", 1) \
+        if resume_round and rc.parallel_clients == parallel.AUTO else None
+    clients_note = parallel.resolve(cfg, comm, model, layout, data, range(cfg.data.num_clients) if balanced else owned,
+                                    task, resumed)
     trainer = (SideBySide if rc.parallel_clients > 1 else OneAfterAnother)(model, layout, cfg, rule, needs, task)
     if rc.parallel_clients > 1:
         # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
@@ -440,8 +448,8 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     run = Setup(cfg, data, task, model, layout, strategy, rule, trainer,
                 ReportLayout(needs, layout.numel, len(layout.conv_entries())), _static_stacks(needs, cfg, layout, device),
                 client_states, balanced, [expected_cost(n, cfg.train) for n in data.num_samples],
-                os.path.join(rc.out_dir, "checkpoints"), global_P, strategy.init_state(global_P, cfg.algorithm),
-                rows_buffer=torch.empty(0, 0, device=device))
+                ckpt_root, global_P, strategy.init_state(global_P, cfg.algorithm),
+                rows_buffer=torch.empty(0, 0, device=device), clients_note=clients_note)
 
     if resume_round:
         run.last_ckpt = checkpoint.round_dir(run.ckpt_root, resume_round)
@@ -455,8 +463,36 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         global_P.copy_(saved["global_P"])
         run.state = saved["state"]
         run.start_round = int(saved["round"]) + 1
+    if comm.is_main and rc.progress and device.type == "cpu" and rc.parallel_clients > 1:
+        run.clients_note += "; " + _side_by_side_on_cpu(run, comm)
     comm.broadcast_(global_P)
     return run
+
+
+# Rounds whose groups the start line's prediction for side by side on CPU covers.
+PREDICTED_ROUNDS = 5
+
+
+def _side_by_side_on_cpu(run: Setup, comm) -> str:
+    """The start line's words on side by side on this CPU: rank 0's first group timed both ways
+    on copies (client/parallel.py; nothing of the run changes), the timings applied to rank 0's
+    groups of the first rounds, with a warning when one after another is predicted faster."""
+    cfg, first = run.cfg, run.start_round
+    last = min(cfg.run.rounds, first + PREDICTED_ROUNDS - 1)
+    timed, groups = [], []  # the clients of the first group; every group's planned steps
+    for round_idx in range(first, last + 1):
+        plan = plan_round(cfg, round_idx, run.data.num_samples, run.cost_K, comm.rank, comm.world_size, run.balanced)
+        for group in plan.groups:
+            trained = [c for c in group if run.data.num_samples[c] and not plan.straggles(c)]
+            if trained:
+                timed = timed or trained
+                groups.append([plan.steps_of[c] for c in trained])
+    rounds = f"round {first}" if last == first else f"rounds {first}-{last}"
+    if not timed:
+        return f"side by side not measured (rank 0 trains no client in {rounds})"
+    timings = parallel.measure_cpu(run.model, run.layout, cfg, run.task, [run.data.train[c] for c in timed],
+                                   run.global_P)
+    return parallel.cpu_verdict(timings, groups, rounds)[1]
 
 
 def _report_rows(run: Setup, comm, rows_per_rank: int) -> torch.Tensor:
@@ -607,7 +643,7 @@ class Book:
         form = strategies.kernels.describe(comm.device, rule=run.strategy.name)
         if rc.progress:
             print(f"fedddp: {comm.world_size} rank(s) on {comm.device.type}; {describe_algorithm(run.cfg)}; "
-                  f"aggregation: {form}", file=sys.stderr, flush=True)
+                  f"aggregation: {form}; {run.clients_note}", file=sys.stderr, flush=True)
 
     def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
                     diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric, sync: bool) -> None:

@@ -60,6 +60,27 @@ def test_dumps_round_trips(tmp_path):
     assert again == cfg
 
 
+def test_parallel_clients_takes_an_int_or_auto(tmp_path):
+    """auto is the default; a TOML file, an override and config.toml's dump take "auto" or an int,
+    and a wrong value says both are taken."""
+    assert checks.load(None, []).run.parallel_clients == "auto"
+    assert checks.load(None, ["run.parallel_clients=auto"]).run.parallel_clients == "auto"
+    assert checks.load(None, ["run.parallel_clients=4"]).run.parallel_clients == 4
+    assert checks.load(write(tmp_path, '[run]\nparallel_clients = "auto"\n')).run.parallel_clients == "auto"
+    assert checks.load(write(tmp_path, "[run]\nparallel_clients = 3\n")).run.parallel_clients == 3
+    for cfg in (checks.load(None, []), checks.load(None, ["run.parallel_clients=5"])):
+        assert checks.load(write(tmp_path, config.dumps(cfg))) == cfg
+    assert 'parallel_clients = "auto"' in config.dumps(config.Config())
+    for bad, words in (("run.parallel_clients=many", "expected int or \"auto\", got 'many'"),
+                       ("run.parallel_clients=2.5", "expected int or \"auto\", got '2.5'"),
+                       ("run.parallel_clients=0", "must be >= 1")):
+        with pytest.raises(ConfigError) as err:
+            checks.load(None, [bad])
+        assert words in str(err.value), str(err.value)
+    with pytest.raises(ConfigError, match=r'expected int or "auto", got str \'3\' \(remove the quotes\)'):
+        checks.load(write(tmp_path, '[run]\nparallel_clients = "3"\n'))
+
+
 def test_every_field_has_a_doc():
     text = config.describe()
     assert "run.rounds" in text and "algorithm.params" in text

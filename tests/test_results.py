@@ -114,3 +114,16 @@ def test_header_without_a_verdict_is_one_line(tmp_path):
     assert proc.stderr.count("\n") == 1 and "no '# Verdict:' line" in proc.stderr and "Traceback" not in proc.stderr
     missing = call(str(tmp_path / "nope.toml"), "--doc", str(tmp_path / "doc.md"))
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "nope.toml: cannot read" in missing.stderr
+
+
+def test_the_hand_written_part_after_the_kept_line_survives_a_rewrite(tmp_path):
+    doc = tmp_path / "results.md"
+    results.write_doc([], str(doc), "abc1234", "python -m fedddp.study.results", "")
+    generated = doc.read_text()
+    assert results.KEPT not in generated
+    tail = f"{results.KEPT}\n\n## A figure\n\n![f](figures/f.png)\n"
+    doc.write_text(generated.replace("abc1234", "old") + "\n" + tail)
+    results.write_doc([], str(doc), "abc1234", "python -m fedddp.study.results", "")
+    assert doc.read_text() == generated + "\n" + tail
+    results.write_doc([], str(doc), "abc1234", "python -m fedddp.study.results", "")  # again: the same
+    assert doc.read_text() == generated + "\n" + tail

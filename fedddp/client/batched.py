@@ -87,6 +87,8 @@ BATCH_NORM_MODELS = ("resnet18",)  # the built-ins with BatchNorm (plugin models
 def check(cfg) -> list[str]:
     """Configuration errors of run.parallel_clients: each names what is not batched and the fix."""
     size = cfg.run.parallel_clients
+    if size == "auto":  # resolved when the run starts (client/parallel.py): 1 where side by side cannot run
+        return []
     if size < 1:
         return [f"run.parallel_clients: must be >= 1 (1: one client after another), got {size}"]
     if size == 1:

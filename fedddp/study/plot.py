@@ -1,25 +1,66 @@
-"""Plot one metric of several runs against the round, from their metrics.jsonl.
+"""Plot one metric of several runs against the round, from their metrics.jsonl: a quick look, or a
+figure for a paper.
 
     python -m fedddp.study.plot runs/fedavg runs/fedgma [--metric test_accuracy] [--out compare.png]
     python -m fedddp.study.plot runs/sweep --group-by algorithm.name [--metric test_accuracy]
+    python -m fedddp.study.plot runs/cmp --group-by algorithm.name --label name=fedavg:FedAvg \\
+        --label name=fedmom:FedMom --title "Synthetic(1, 1)" --xlabel Round --ylabel "Test accuracy" \\
+        --figsize 3.5,2.6 --style seaborn-v0_8-paper --legend outside --rounds 10-40 --out cmp.pdf
 
-A folder is a run's out_dir or any folder above run folders (a sweep's --out). Without
---group-by each run is one line, labelled by its folder name and algorithm. With --group-by
-KEYS (comma-separated config keys, or ``auto``: the keys that differ, seeds left out, as
-fedddp.study.summary groups) each group is its mean line with a band of +- one sample std over its
-runs, drawn at the rounds every run of the group has a value for. Rounds without a value (test
-accuracy between evaluations) are skipped; a run without the metric at all is left out with one
-line on stderr. Needs matplotlib (``pip install -e ".[plot]"``).
+A folder is a run's out_dir or any folder above run folders (a sweep's --out). Each line is a
+series. Without --group-by each run is one series, named by its folder (the legend adds its
+algorithm). With --group-by KEYS (comma-separated config keys, or ``auto``: the keys that differ,
+seeds left out, as fedddp.study.summary groups) each group is one series, named as the summary
+names its row, key=value for each key's last part (``name=fedavg``; the legend adds the number of
+runs, ``(n=3)``), drawn as its mean line with a band of +- one sample std over its runs, at the
+rounds every run of the group has a value for. Rounds without a value (test accuracy between
+evaluations) are skipped; a run without the metric at all (or none in --rounds) is left out with
+one line on stderr.
+
+For a paper: --label SERIES:NAME shows a series as NAME (repeat it; the legend lists the named
+series first, in the order of the --label options); --title, --xlabel, --ylabel; --figsize W,H
+in inches; --style a matplotlib style (its colours, fonts and grid; without it fedddp's:
+Okabe-Ito's colour-blind-safe colours). Each series has its own colour, line style and marker,
+and its band is filled lightly and hatched in its colour (--bands fill: not hatched; none: no
+bands), so overlapping bands stay readable, also in print and in grey. --legend best (the
+default) puts the legend where it covers the fewest lines and bands, outside to the right of
+the axes, below under them, none leaves it out. --rounds A-B draws rounds A to B only (group
+means over the runs that have values there). The file type follows --out's extension: png (at
+--dpi), pdf or svg (text kept as text, no creation date: the same runs give the same file), or
+any other format matplotlib writes. Needs matplotlib (``pip install -e ".[plot]"``).
+Exit status 2: a wrong argument, or no run with the metric.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, close_match
 from .summary import Run, differing_keys, find_runs, group_runs, mean_std, resolve_keys
+
+# Okabe and Ito's palette, distinct for colour-blind readers; yellow last (faint on white).
+OKABE_ITO = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
+LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+HATCHES = ("//", "\\\\", "xx", "..", "++", "||", "--", "oo")
+LEGENDS = ("best", "outside", "below", "none")
+BANDS = ("hatch", "fill", "none")
+
+
+@dataclass
+class Series:
+    """One line of the plot: ``key`` names it for --label (a group's key=value, ..., or a run's
+    folder name), ``label`` is its default legend entry."""
+
+    key: str
+    label: str
+    rounds: list[int]
+    values: list[float]
+    std: list[float] | None  # None: a single run, no band
 
 
 def label_of(run: Run) -> str:
@@ -28,70 +69,244 @@ def label_of(run: Run) -> str:
     return f"{label} ({name})" if name else label
 
 
-def group_curve(runs: list[Run], metric: str) -> tuple[list[int], list[float], list[float]]:
-    """(rounds, mean, std) over ``runs`` at the rounds all of them have a value for."""
-    series = [dict(zip(*run.series(metric))) for run in runs]
+def parse_rounds(text: str) -> tuple[int, int]:
+    """--rounds 'A-B' -> (A, B), 1 <= A <= B."""
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", text)
+    if not match or not 1 <= int(match.group(1)) <= int(match.group(2)):
+        raise ConfigError(f"--rounds: {text!r} is not A-B with 1 <= A <= B (e.g. 10-40)")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _points(run: Run, metric: str, window: tuple[int, int] | None) -> tuple[list[int], list[float]]:
+    rounds, values = run.series(metric)
+    if window is None:
+        return rounds, values
+    kept = [(r, v) for r, v in zip(rounds, values) if window[0] <= r <= window[1]]
+    return [r for r, _ in kept], [v for _, v in kept]
+
+
+def group_curve(runs: list[Run], metric: str,
+                window: tuple[int, int] | None = None) -> tuple[list[int], list[float], list[float]]:
+    """(rounds, mean, std) over ``runs`` at the rounds (in ``window``) all of them have a value for."""
+    series = [dict(zip(*_points(run, metric, window))) for run in runs]
     rounds = sorted(set.intersection(*(set(s) for s in series)))
     stats = [mean_std([s[r] for s in series]) for r in rounds]
     return rounds, [m for m, _ in stats], [sd for _, sd in stats]
 
 
-def curves(runs: list[Run], metric: str, group_by: str | None, warn) -> list[tuple]:
-    """[(label, rounds, mean, std or None)] to draw; runs without the metric left out via ``warn``."""
+def series_of(runs: list[Run], metric: str, group_by: str | None, warn,
+              window: tuple[int, int] | None = None) -> list[Series]:
+    """The series to draw; runs without the metric (in ``window``) left out via ``warn``."""
     kept = []
+    where = f" in rounds {window[0]}-{window[1]}" if window else ""
     for run in runs:
-        if run.series(metric)[1]:
+        if _points(run, metric, window)[1]:
             kept.append(run)
+        elif window and run.series(metric)[1]:
+            warn(f"skipped {run.folder}: no values of {metric}{where}")
         else:
             warn(f"skipped {run.folder}: no values of {metric} "
                  f"(its metrics: {', '.join(run.metric_names()) or 'none'})")
     if not kept:
-        raise ConfigError(f"no run has values of {metric!r}")
+        raise ConfigError(f"no run has values of {metric!r}{where}")
     if group_by is None:
-        return [(label_of(run), *run.series(metric), None) for run in kept]
+        return [Series(os.path.basename(os.path.normpath(run.folder)), label_of(run), *_points(run, metric, window),
+                       None) for run in kept]
     keys = differing_keys(kept) if group_by == "auto" else resolve_keys(group_by.split(","), kept)
     lines = []
     for values, members in group_runs(kept, keys).items():
-        label = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values)) or "all runs"
-        lines.append((f"{label} (n={len(members)})", *group_curve(members, metric)))
+        key = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values)) or "all runs"
+        rounds, mean, std = group_curve(members, metric, window)
+        if rounds:
+            lines.append(Series(key, f"{key} (n={len(members)})", rounds, mean, std))
+        else:  # each run has values in the window, but not at a common round
+            warn(f"skipped group {key}: its runs have no round with {metric}{where} in common")
+    if not lines:
+        raise ConfigError(f"no group has a round with {metric!r}{where} that all its runs have")
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedddp.study.plot", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="run folders, or folders above them (a sweep's --out)")
-    parser.add_argument("--metric", default="test_accuracy", help="a key of metrics.jsonl")
-    parser.add_argument("--group-by", default=None,
-                        help="config keys (comma-separated) or auto: one mean line and +-std band per group")
-    parser.add_argument("--out", default="compare.png", help="image file to write")
-    args = parser.parse_args(argv)
+def curves(runs: list[Run], metric: str, group_by: str | None, warn,
+           window: tuple[int, int] | None = None) -> list[tuple]:
+    """[(label, rounds, mean, std or None)] to draw; runs without the metric left out via ``warn``."""
+    return [(s.label, s.rounds, s.values, s.std) for s in series_of(runs, metric, group_by, warn, window)]
+
+
+def apply_labels(series: list[Series], items: list[str]) -> list[tuple[Series, str]]:
+    """(series, legend text) in legend order: the series named by ``items`` ('SERIES:NAME', SERIES a
+    series' key or its default legend entry) first, in the order given, as NAME; the others after,
+    as their default entries."""
+    named: dict[int, str] = {}
+    for item in items:
+        # the longest series name that the item starts with, then ':' (names and values may hold ':')
+        hits = [(len(name), i) for i, s in enumerate(series) for name in (s.key, s.label)
+                if item.startswith(name + ":")]
+        if not hits:
+            known = [s.key for s in series]
+            near = close_match(item.rpartition(":")[0], known)
+            hint = f"; did you mean {near}?" if near else ""
+            raise ConfigError(f"--label {item!r}: give SERIES:NAME with SERIES one of the plot's series: "
+                              f"{', '.join(known)}{hint}")
+        length, i = max(hits)
+        if i in named:
+            raise ConfigError(f"--label {item!r}: series {series[i].key} is already named {named[i]!r}")
+        named[i] = item[length + 1:]
+    return [(series[i], text) for i, text in named.items()] + \
+        [(s, s.label) for i, s in enumerate(series) if i not in named]
+
+
+def parse_figsize(text: str) -> tuple[float, float]:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
+        width, height = (float(part) for part in text.split(","))
+    except ValueError:
+        width = height = 0.0
+    if not (0 < width < 100 and 0 < height < 100):
+        raise ConfigError(f"--figsize: {text!r} is not WIDTH,HEIGHT in inches (e.g. 3.5,2.6)")
+    return width, height
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fedddp.study.plot", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("runs", nargs="+", help="run folders, or folders above them (a sweep's --out)")
+    p.add_argument("--metric", default="test_accuracy", help="a key of metrics.jsonl")
+    p.add_argument("--group-by", default=None,
+                   help="config keys (comma-separated) or auto: one mean line and +-std band per group")
+    p.add_argument("--out", default="compare.png", help="file to write; its extension is the format: png, pdf, "
+                                                        "svg, ...")
+    p.add_argument("--label", action="append", default=[], metavar="SERIES:NAME",
+                   help="show a series as NAME, e.g. name=fedavg:FedAvg (repeat; sets the legend's order)")
+    p.add_argument("--title", default=None, help="title above the axes")
+    p.add_argument("--xlabel", default="round", help="x-axis label (default: round)")
+    p.add_argument("--ylabel", default=None, help="y-axis label (default: the metric)")
+    p.add_argument("--figsize", default="6,4", help="WIDTH,HEIGHT in inches (default 6,4)")
+    p.add_argument("--style", default=None, help="a matplotlib style name (e.g. seaborn-v0_8-paper, ggplot) "
+                                                 "or style file")
+    p.add_argument("--legend", default="best", choices=LEGENDS,
+                   help="best: where it covers the least; outside: right of the axes; below: under them")
+    p.add_argument("--bands", default="hatch", choices=BANDS, help="the +-std bands of groups: hatched (default), "
+                                                                   "plain fill, or none")
+    p.add_argument("--rounds", default=None, metavar="A-B", help="draw rounds A to B only")
+    p.add_argument("--dpi", type=float, default=120, help="dots per inch of a png (default 120)")
+    return p
+
+
+def _style(name: str | None):
+    """The context that applies --style (or nothing); a name matplotlib does not know is a
+    ConfigError here, before anything is drawn."""
+    import contextlib
+
+    import matplotlib.style
+
+    if name is None:
+        return contextlib.nullcontext()
+    try:
+        with matplotlib.style.context(name):
+            pass
+    except (OSError, ValueError):
+        available = sorted(matplotlib.style.available)
+        near = close_match(name, available)
+        hint = f", did you mean {near}?" if near else ""
+        raise ConfigError(f"--style: {name!r} is neither a matplotlib style nor a style file{hint} "
+                          f"(available: {', '.join(available)})") from None
+    return matplotlib.style.context(name)
+
+
+def figure(args: argparse.Namespace, warn):
+    """The figure of ``args`` (parsed by ``parser()``), not yet written: a matplotlib Figure with
+    one Axes. Raises ConfigError for a wrong argument or nothing to draw."""
+    import matplotlib
+    import matplotlib.colors
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    window = parse_rounds(args.rounds) if args.rounds else None
+    size = parse_figsize(args.figsize)
+    style = _style(args.style)
+    series = series_of(find_runs(args.runs), args.metric, args.group_by, warn, window)
+    shown = apply_labels(series, args.label)
+    with style:
+        colours = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color") if args.style else None
+        colours = colours or OKABE_ITO
+        fig = Figure(figsize=size, layout="constrained")
+        ax = fig.add_subplot()
+        handles = []
+        for i, (s, text) in enumerate(shown):
+            colour = colours[i % len(colours)]
+            (line,) = ax.plot(s.rounds, s.values, color=colour, linestyle=LINESTYLES[i % len(LINESTYLES)],
+                              marker=MARKERS[i % len(MARKERS)], markersize=4,
+                              markevery=max(1, len(s.rounds) // 12), label=text)
+            handle = line
+            if s.std is not None and args.bands != "none":
+                band = ax.fill_between(
+                    s.rounds, [m - d for m, d in zip(s.values, s.std)], [m + d for m, d in zip(s.values, s.std)],
+                    facecolor=matplotlib.colors.to_rgba(colour, 0.12), linewidth=0,
+                    edgecolor=matplotlib.colors.to_rgba(colour, 0.6),
+                    hatch=HATCHES[i % len(HATCHES)] if args.bands == "hatch" else None)
+                handle = (band, line)  # the legend shows the band's fill and hatch under the line
+            handles.append(handle)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+        ax.set_xlabel(args.xlabel)
+        ax.set_ylabel(args.ylabel if args.ylabel is not None else args.metric)
+        if args.title:
+            ax.set_title(args.title)
+        if not args.style:
+            ax.grid(alpha=0.3)
+        texts = [text for _, text in shown]
+        if args.legend == "best":
+            ax.legend(handles, texts, loc="best")
+        elif args.legend == "outside":
+            fig.legend(handles, texts, loc="outside right upper")
+        elif args.legend == "below":
+            # as many columns as fit in the figure's width (at most 4): a wider legend would be cut
+            for ncols in range(min(len(texts), 4), 0, -1):
+                legend = fig.legend(handles, texts, loc="outside lower center", ncols=ncols)
+                fig.draw_without_rendering()
+                if ncols == 1 or legend.get_window_extent().width <= fig.bbox.width:
+                    break
+                legend.remove()
+    return fig
+
+
+def save(fig, path: str, dpi: float = 120, style: str | None = None) -> None:
+    """Write ``fig`` in the format of ``path``'s extension; pdf and svg keep their text as text and
+    carry no creation date, so the same runs give the same bytes."""
+    import matplotlib
+
+    fmt = os.path.splitext(path)[1].lower().lstrip(".")
+    metadata = {"pdf": {"CreationDate": None}, "svg": {"Date": None}}.get(fmt)
+    with _style(style), matplotlib.rc_context({"pdf.fonttype": 42, "ps.fonttype": 42, "svg.fonttype": "none",
+                                               "svg.hashsalt": "fedddp"}):
+        fig.savefig(path, dpi=dpi, metadata=metadata)
+
+
+def check_format(path: str) -> None:
+    from matplotlib.figure import Figure
+
+    fmt = os.path.splitext(path)[1].lower().lstrip(".")
+    supported = Figure().canvas.get_supported_filetypes()
+    if fmt not in supported:
+        raise ConfigError(f"--out: {path!r}: the extension names the format; give one of "
+                          f"{', '.join('.' + f for f in sorted(supported))} (e.g. .png, .pdf, .svg)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
     except ImportError:
         print('fedddp.study.plot: error: needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2
     try:
-        lines = curves(find_runs(args.runs), args.metric, args.group_by,
-                       lambda line: print(f"fedddp.study.plot: {line}", file=sys.stderr))
+        if args.dpi <= 0:
+            raise ConfigError(f"--dpi: must be > 0, got {args.dpi:g}")
+        check_format(args.out)
+        fig = figure(args, lambda line: print(f"fedddp.study.plot: {line}", file=sys.stderr))
     except ConfigError as exc:
         print(f"fedddp.study.plot: error: {exc}", file=sys.stderr)
         return 2
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, rounds, values, std in lines:
-        (line,) = ax.plot(rounds, values, marker="." if len(rounds) < 50 else None, label=label)
-        if std is not None:
-            ax.fill_between(rounds, [m - s for m, s in zip(values, std)], [m + s for m, s in zip(values, std)],
-                            color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-    ax.set_xlabel("round")
-    ax.set_ylabel(args.metric)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
+    save(fig, args.out, args.dpi, args.style)
     print(f"wrote {args.out}")
     return 0
 

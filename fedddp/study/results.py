@@ -23,6 +23,10 @@ every baseline's mean by more than the larger of the two standard deviations; wo
 baseline by more than that is behind a baseline; anything else is within the seeds' spread. Better is
 higher, or lower for losses and errors (fedddp.study.summary.lower_is_better).
 
+A line ``<!-- written by hand below ... -->`` (KEPT) in the document and all that follows it are
+kept when the document is rewritten: a part about other runs (a figure, its commands) lives
+there.
+
 The commit is ``git rev-parse --short HEAD``, "+dirty" when tracked files other than the
 document differ from it. The runs a sweep makes are recorded with the commit when it starts
 (OUT/logs/commits.json); a table names every commit its runs were made at.
@@ -49,6 +53,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SWEEPS = "configs/sweeps/reduced"
 DOC = "docs/results.md"
 FIELDS = ("Paper", "Claim", "Reduced", "Hardware", "Prepare", "Summary", "Verdict")
+# This line and what follows it in the document are kept when the document is rewritten.
+KEPT = "<!-- written by hand below: python -m fedddp.study.results keeps this line and what follows -->"
 RULE = ("a claimed method reproduces the claim when its mean is better than every baseline's mean "
         "by more than the larger of the two standard deviations (sample std over the seeds); when "
         "it is worse than some baseline by more than that, it is behind a baseline; otherwise the "
@@ -298,8 +304,19 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str)
         overview += [f"- {name}: {line[2:].split(' vs ', 1)[0]}" for line in part if line.startswith("- **")]
     lines += ["Verdicts at a glance (each against its baselines in its section):", ""] + overview + [""] + sections
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
-    atomic_write_text("\n".join(lines).rstrip() + "\n", doc)
+    atomic_write_text("\n".join(lines).rstrip() + "\n" + kept_part(doc), doc)
     return problems
+
+
+def kept_part(doc: str) -> str:
+    """The document's hand-written part: from the KEPT line to the end ("" when it has none)."""
+    try:
+        with open(doc) as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        return ""
+    start = text.find(KEPT)
+    return "" if start < 0 else "\n" + text[start:].rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

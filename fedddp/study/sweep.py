@@ -198,7 +198,7 @@ def settings_mismatch(folder: str, cfg: config.Config) -> list[str]:
         return []
     here = flatten(tomllib.loads(config.dumps(cfg)))
     return [f"{k}: {there[k]!r} there, {here[k]!r} here" for k in here
-            if k in there and k not in HOW_KEYS and there[k] != here[k]]
+            if k in there and k not in HOW_KEYS and not config.same_setting(k, there[k], here[k])]
 
 
 def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] = ()) -> tuple[str, dict, list[Point]]:
