@@ -2,7 +2,8 @@
 resumed run continue from anything but a complete checkpoint of the same run.
 
 Layout under ``out_dir/checkpoints/``:
-  round_000010/server.pt          rank 0: round, global_P, server state, RNG state
+  round_000010/server.pt          rank 0: round, global_P, server state, RNG state, the simulated
+                                  clock (async mode: its training clients and their model versions)
   round_000010/clients_rank1.pt   rank r: the persistent state of the clients rank r owns
   round_000010/manifest.json      rank 0, written last: round, world size, run identity, and
                                   every file of the checkpoint with its size and CRC-32

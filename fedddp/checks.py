@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import algorithms, config, participation, plugins, strategies
+from . import algorithms, asynchrony, config, participation, plugins, strategies
 from .client import batched, rules
 from .errors import ConfigError
 from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES, WEIGHTING, resolve, weighting_of
@@ -44,7 +44,8 @@ def validate(cfg: config.Config) -> list[str]:
     # a key whose import failed is said once: what the later checks say of it (an "unknown
     # algorithm" that is only not imported) follows from that failure and would mislead
     failed = {e.split(":", 1)[0] for e in errors}
-    rest = config.check_fields(cfg) + algorithms.check_algorithm(cfg) + participation.check(cfg) + batched.check(cfg)
+    rest = (config.check_fields(cfg) + algorithms.check_algorithm(cfg) + participation.check(cfg) + batched.check(cfg)
+            + asynchrony.check(cfg))
     return errors + [e for e in rest if e.split(":", 1)[0] not in failed]
 
 

@@ -90,6 +90,20 @@ class RunConfig:
                                               "CNN and ResNet-18 lose at any B. With B > 1 on CPU the start line "
                                               "gives a quick measurement's prediction and warns when one after "
                                               "another is faster (docs/running.md).")
+    mode: str = opt("sync", "sync: rounds of the sampled K clients, the server waiting for all of them. async: "
+                            "FedBuff (docs/algorithms.md): run.async_concurrency clients train at once on the "
+                            "simulated clock of data.client_speed, each from the model version it started "
+                            "from, and every run.async_buffer arrivals make one server update, which counts "
+                            "as a round (run.rounds, eval_every, ckpt_every count updates).", ("sync", "async"))
+    async_concurrency: int = opt(0, "Async mode: clients training at once (C); 0: the sampled K "
+                                    "(run.clients_per_round or run.participation).")
+    async_buffer: int = opt(10, "Async mode: arrivals per server update (FedBuff's K), at most "
+                                "data.num_clients; a client reports at most once per update.")
+    async_staleness: str = opt("polynomial", "Async mode: staleness weight s(tau) of an update trained from "
+                                             "a model tau versions old: polynomial (1 + tau)^-a (FedAsync's; "
+                                             "FedBuff's experiments use a = 0.5), or constant 1.",
+                               ("polynomial", "constant"))
+    async_staleness_exponent: float = opt(0.5, "Async mode: a in the polynomial staleness weight (1 + tau)^-a.")
 
 
 # Keys whose "auto" is resolved when a run starts (run.parallel_clients: from the device, or the
@@ -151,9 +165,17 @@ class DataConfig:
                                       "clients are pairs of engines in unit order (data.partition is "
                                       "ignored), so data.num_clients must be ceil(engines / 2): 50, 130, "
                                       "50, 125 for FD001-FD004.", ("FD001", "FD002", "FD003", "FD004"))
-    seed: int = opt(0, "Seed for the data: the partition over clients, the holdout split, synthetic samples "
-                       "and colored MNIST's colours. Fixed (0) by default, so the spread over run.seed is "
-                       "training variation only; sweep it to measure variation over data draws.")
+    client_speed: str = opt("constant", "Each client's seconds per local step on the simulated clock "
+                                        "(metrics.jsonl's sim_time_s; the schedule of run.mode = async): "
+                                        "constant[:S] (S, default 1), uniform:A:B, lognormal:SIGMA[:MEDIAN] "
+                                        "(MEDIAN exp(SIGMA z), MEDIAN default 1), drawn per (data.seed, "
+                                        "client id); or file:PATH, a CSV of client_id,seconds_per_step rows or "
+                                        "a JSON object {\"client_id\": seconds_per_step} naming every client "
+                                        "(e.g. from FedScale's device traces).")
+    seed: int = opt(0, "Seed for the data: the partition over clients, the holdout split, synthetic samples, "
+                       "colored MNIST's colours and the clients' speeds (data.client_speed). Fixed (0) by "
+                       "default, so the spread over run.seed is training variation only; sweep it to measure "
+                       "variation over data draws.")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checkpoint, config, logs, outdir, participation, strategies, tasks
+from . import asynchrony, checkpoint, config, logs, outdir, participation, strategies, tasks
 from .algorithms import build_model, describe as describe_algorithm
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import parallel, rules as local_rules
@@ -251,6 +251,16 @@ def _choose_checkpoint(cfg: config.Config) -> int:
 
 
 @dataclass
+class ClientStart:
+    """Where an async client's training starts: the model version it started from (its round:
+    that version + 1, for the learning-rate schedule) and its seed."""
+
+    round_idx: int
+    global_P: torch.Tensor
+    seed: int
+
+
+@dataclass
 class RoundPlan:
     """Who does what in a round: drawn identically on every rank, without communication."""
 
@@ -264,6 +274,9 @@ class RoundPlan:
     work_of: dict[int, int]       # each reporting client's local epochs (steps) this round
     steps_of: dict[int, int]      # and its planned optimizer steps
     deadline_steps: int           # run.deadline_steps (0: none)
+    # async mode: each client's start (the model version it trains from, its seed); None: the
+    # round's model and client_seed(seed, round, client) for every client
+    starts: dict[int, ClientStart] | None = None
 
     def straggles(self, cid: int) -> bool:
         """A client past the deadline does not train; its state stays home."""
@@ -356,6 +369,10 @@ class Setup:
     rows_buffer: torch.Tensor | None = None
     gather_buffer: torch.Tensor | None = None
     clients_note: str = ""        # the start line's words on run.parallel_clients (client/parallel.py)
+    speeds: list[float] | None = None  # each client's simulated seconds per local step
+    sim_time_s: float = 0.0            # the simulated clock after the last round
+    clock: asynchrony.Clock | None = None  # async mode: the schedule after the last update
+    versions: dict[int, torch.Tensor] | None = None  # async: the model versions training clients started from
 
 
 def _run(cfg: config.Config, comm, resume_round: int) -> dict:
@@ -364,6 +381,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     rc = cfg.run
     run = _setup(cfg, comm, resume_round)
     book = Book(run, comm) if comm.is_main else None
+    if rc.mode == "async":
+        return _finish(run, comm, book, _run_async(run, comm, book))
     last_round = run.start_round - 1
     for round_idx in range(run.start_round, rc.rounds + 1):
         clock = {"start": time.perf_counter()}
@@ -373,6 +392,7 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         rows_KF, reported, train_s_R = gather_reports(run, comm, plan, rows_MF)
         clock["gather"] = time.perf_counter()
         diagnostics, train_loss, stacks = aggregate(run, comm, round_idx, rows_KF, reported)
+        diagnostics |= _sync_clock(run, plan)
         clock["aggregate"] = time.perf_counter()
         broadcast_model(run, comm)
         clock["broadcast"] = time.perf_counter()
@@ -389,6 +409,100 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         if stopping:
             break
     return _finish(run, comm, book, last_round)
+
+
+def _round_seconds(run: Setup, plan: RoundPlan) -> float:
+    """A synchronous round's simulated length: the slowest client that trained and reported
+    (dropouts and stragglers are not waited for), its planned steps x its seconds per step."""
+    trained = [c for c in plan.reporting if not plan.straggles(c)]
+    return asynchrony.sync_round_seconds([plan.steps_of[c] for c in trained], [run.speeds[c] for c in trained])
+
+
+def _sync_clock(run: Setup, plan: RoundPlan) -> dict:
+    """metrics.jsonl's simulated clock in sync mode: the round's length and the time after it."""
+    round_s = _round_seconds(run, plan)
+    run.sim_time_s += round_s
+    return {"sim_round_s": round_s, "sim_time_s": run.sim_time_s}
+
+
+def _run_async(run: Setup, comm, book: Book | None) -> int:
+    """run.mode = async: each round is one server update of FedBuff through the same stages as a
+    synchronous round. The schedule (asynchrony.next_update) says which clients arrive and from
+    which model version each started; they train from those versions (kept while a training
+    client refers to one), rank 0 turns their models into staleness-weighted updates and FedAvg's
+    server step applies them. Returns the last round done."""
+    rc = run.cfg.run
+    sched = asynchrony.Schedule(run.cfg.data.num_clients, asynchrony.concurrency(run.cfg), rc.async_buffer, rc.seed,
+                                tuple(run.speeds), lambda cid, start: _async_steps(run, cid, start)[1])
+    last_round = run.start_round - 1
+    for round_idx in range(run.start_round, rc.rounds + 1):
+        clock, before = {"start": time.perf_counter()}, run.clock
+        run.versions[before.version] = run.global_P.clone()  # clients may start from it in this update
+        arrivals, run.clock = asynchrony.next_update(before, sched)
+        plan = plan_update(run, comm, round_idx, arrivals)
+        rows_MF = _report_rows(run, comm, plan.rows_per_rank)
+        train_clients(run, comm, plan, rows_MF)
+        rows_KF, reported, train_s_R = gather_reports(run, comm, plan, rows_MF)
+        extra = _buffered(run, comm, before, arrivals, rows_KF)
+        clock["gather"] = time.perf_counter()
+        diagnostics, train_loss, stacks = aggregate(run, comm, round_idx, rows_KF, reported)
+        clock["aggregate"] = time.perf_counter()
+        broadcast_model(run, comm)
+        in_flight = {f.version for f in run.clock.flights}
+        run.versions = {v: P for v, P in run.versions.items() if v in in_flight}
+        run.sim_time_s = run.clock.now_s
+        clock["broadcast"] = time.perf_counter()
+        test_loss, test_metric = evaluate_round(run, comm, round_idx)
+        clock["evaluate"] = time.perf_counter()
+        stopping = bool(rc.stop_after) and round_idx == rc.stop_after
+        written = checkpoint_files(run, comm, round_idx, stopping)
+        clock["checkpoint"] = time.perf_counter()
+        if book is not None:
+            book.write_round(plan, reported, train_s_R, clock, diagnostics | extra, train_loss, stacks, test_loss,
+                             test_metric, sync=written is not None)
+        complete_checkpoint(run, comm, round_idx, written)
+        last_round = round_idx
+        if stopping:
+            break
+    return last_round
+
+
+def _async_steps(run: Setup, cid: int, start: int) -> tuple[int, int]:
+    """(local epochs or steps drawn, planned optimizer steps) of a client's training started as start
+    number ``start``: drawn as a round's work is, with the start number in place of the round."""
+    work = participation.local_work(run.cfg.train, run.cfg.run.seed, start, cid)
+    return work, planned_steps(run.data.num_samples[cid], run.cfg.train, work)
+
+
+def plan_update(run: Setup, comm, round_idx: int, arrivals: list) -> RoundPlan:
+    """An async update as a round's plan: its arrivals are the reporting clients (distinct, in
+    client-id order, assigned to ranks by cost as a round's), each trained from the model version
+    it started from, with the seed of its start."""
+    rc, of = run.cfg.run, {f.client: f for f in arrivals}
+    clients = sorted(of)
+    per_rank = assign_clients(clients, run.cost_K.__getitem__, comm.world_size, run.balanced)
+    rows_per_rank, row_order = layout_rows(clients, comm.world_size, per_rank)
+    drawn = {c: _async_steps(run, c, of[c].start) for c in clients}
+    starts = {c: ClientStart(of[c].version + 1, run.versions[of[c].version],
+                             asynchrony.training_seed(rc.seed, of[c].start, c)) for c in clients}
+    return RoundPlan(round_idx, clients, clients, per_rank, [[c] for c in per_rank[comm.rank]], rows_per_rank,
+                     row_order, {c: w for c, (w, _) in drawn.items()}, {c: n for c, (_, n) in drawn.items()}, 0,
+                     starts)
+
+
+def _buffered(run: Setup, comm, before: asynchrony.Clock, arrivals: list, rows_KF) -> dict:
+    """FedBuff through FedAvg's server step: on rank 0 each arrival's model w_k becomes
+    w + s(tau_k) (w_k - w_{v_k}) in its row (asynchrony.buffered_rows_), tau_k = the versions
+    since it started. Returns the update's simulated clock and staleness for metrics.jsonl and,
+    per client in client-id order, for clients.jsonl."""
+    rc = run.cfg.run
+    ordered = sorted(arrivals, key=lambda f: f.client)
+    if comm.is_main:
+        weights = [asynchrony.staleness_weight(before.version - f.version, rc.async_staleness,
+                                               rc.async_staleness_exponent) for f in ordered]
+        asynchrony.buffered_rows_(rows_KF[:, run.report.slices["params_KP"]],
+                                  [run.versions[f.version] for f in ordered], run.global_P, weights)
+    return asynchrony.update_record(before, run.clock, ordered)
 
 
 def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
@@ -450,6 +564,12 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
                 client_states, balanced, [expected_cost(n, cfg.train) for n in data.num_samples],
                 ckpt_root, global_P, strategy.init_state(global_P, cfg.algorithm),
                 rows_buffer=torch.empty(0, 0, device=device), clients_note=clients_note)
+    try:
+        run.speeds = asynchrony.client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
+    except ValueError as exc:  # checked when the config loaded; a file changed since
+        raise ConfigError(f"data.client_speed: {exc}") from None
+    if rc.mode == "async":
+        run.clock, run.versions = asynchrony.Clock(), {}
 
     if resume_round:
         run.last_ckpt = checkpoint.round_dir(run.ckpt_root, resume_round)
@@ -463,6 +583,7 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         global_P.copy_(saved["global_P"])
         run.state = saved["state"]
         run.start_round = int(saved["round"]) + 1
+        _restore_clock(run, comm, saved)
     if comm.is_main and rc.progress and device.type == "cpu" and rc.parallel_clients > 1:
         run.clients_note += "; " + _side_by_side_on_cpu(run, comm)
     comm.broadcast_(global_P)
@@ -495,6 +616,21 @@ def _side_by_side_on_cpu(run: Setup, comm) -> str:
     return parallel.cpu_verdict(timings, groups, rounds)[1]
 
 
+def _restore_clock(run: Setup, comm, saved: dict) -> None:
+    """The simulated clock of a checkpoint: async mode's schedule and the model versions its
+    training clients started from; the sync clock's time, replayed from the rounds' plans (no
+    training) for a checkpoint written before it was kept."""
+    if run.cfg.run.mode == "async":
+        run.clock, run.versions = asynchrony.restored(saved["async"], comm.device)
+        run.sim_time_s = run.clock.now_s
+    elif "sim_time_s" in saved:
+        run.sim_time_s = float(saved["sim_time_s"])
+    else:
+        for r in range(1, run.start_round):
+            run.sim_time_s += _round_seconds(run, plan_round(run.cfg, r, run.data.num_samples, run.cost_K, comm.rank,
+                                                             comm.world_size, run.balanced))
+
+
 def _report_rows(run: Setup, comm, rows_per_rank: int) -> torch.Tensor:
     """This rank's [M, F] report rows. The buffers live across rounds (fresh ones cost page faults
     every round); padding rows keep stale values and are never read."""
@@ -525,10 +661,11 @@ def train_clients(run: Setup, comm, plan: RoundPlan, rows_MF: torch.Tensor) -> N
             return None
         # a rule that declares no client_state keeps none, wherever its clients train
         home = rule.client_state and owner(cid, comm.world_size) == comm.rank
-        ctx = ClientContext(cid, plan.round_idx, run.global_P, run.layout, run.cfg.algorithm, server_view,
+        start = plan.starts[cid] if plan.starts is not None else \
+            ClientStart(plan.round_idx, run.global_P, client_seed(rc.seed, plan.round_idx, cid))
+        ctx = ClientContext(cid, start.round_idx, start.global_P, run.layout, run.cfg.algorithm, server_view,
                             run.client_states.client(cid) if home else visiting.get(cid, {}), task=run.task)
-        return Job(i, ctx, run.data.train[cid], client_seed(rc.seed, plan.round_idx, cid), plan.work_of[cid],
-                   report.views(rows_MF[i]))
+        return Job(i, ctx, run.data.train[cid], start.seed, plan.work_of[cid], report.views(rows_MF[i]))
 
     for group in plan.groups:
         jobs = [j for j in map(job, group) if j is not None]
@@ -606,7 +743,9 @@ def checkpoint_files(run: Setup, comm, round_idx: int, stopping: bool):
     if not stopping and (not rc.ckpt_every or round_idx % rc.ckpt_every):
         return None
     server = {"round": round_idx, "global_P": run.global_P.cpu(), "state": {k: v.cpu() for k, v in run.state.items()},
-              "torch_rng": torch.get_rng_state()} if comm.is_main else None
+              "torch_rng": torch.get_rng_state(), "sim_time_s": run.sim_time_s} if comm.is_main else None
+    if comm.is_main and run.clock is not None:  # async: the clock, its training clients and their versions
+        server["async"] = asynchrony.saved(run.clock, run.versions)
     with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", run.ckpt_root, run.last_ckpt):
         return checkpoint.write_files(comm, run.ckpt_root, round_idx, server, run.client_states,
                                       checkpoint.identity(run.cfg))

@@ -19,7 +19,7 @@ LAYERS = [
     ["errors", "registry", "params", "atomic", "flat", "sampling", "tasks", "env"],  # ground: names and helpers
     ["plugins", "comm", "outdir"],          # importing user modules, collectives, the run folder
     ["config"],                             # the typed config tree and its own fields' checks
-    ["data", "models", "metrics", "participation"],
+    ["data", "models", "metrics", "participation", "asynchrony"],
     ["strategies"],                         # server rules, their kernels
     ["client"],                             # local training: rules, optimizers, side by side
     ["algorithms"],                         # pairs of rules, the run's model, cross-rule checks

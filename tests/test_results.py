@@ -1,6 +1,7 @@
 """fedddp.study.results: runs a sweep file's grid, then writes the document with the claim, the commands,
 the commit, the summary table and a verdict computed from the table by the stated rule."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ SWEEP = """\
 # Summary:  --metric test_accuracy --at last --by algorithm.name
 # Summary:  --metric test_loss --at mean-last-2 --by algorithm.name
 # Verdict:  name=fedmom vs name=fedavg
+# Figure:   --metric test_accuracy --group-by algorithm.name
 
 [run]
 rounds = 2
@@ -68,6 +70,10 @@ def test_runs_the_sweep_and_writes_the_document(tmp_path):
     assert len(verdicts) == 1 and "fedmom 0." in verdicts[0] and "vs fedavg 0." in verdicts[0]
     assert f"- tiny: {verdicts[0][2:].split(' vs ')[0]}\n" in text  # the overview at the top repeats it
     assert sorted(os.listdir(out)) == ["base.toml", "logs", "name=fedavg,seed=0", "name=fedmom,seed=0"]
+    if importlib.util.find_spec("matplotlib") is not None:  # the figure beside the document, shown with its command
+        assert (tmp_path / "figures" / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "![tiny](figures/tiny.png)" in text
+        assert f"python -m fedddp.study.plot {out} --metric test_accuracy --group-by algorithm.name --out " in text
 
     # a second call runs nothing (the runs are finished) and writes the same tables
     again = call(str(path), "--doc", str(doc))

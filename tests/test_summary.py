@@ -120,3 +120,40 @@ def test_plot_cli_groups_and_skips_a_run_without_the_metric(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert proc.stderr.count("skipped") == 1 and "c: no values of test_accuracy" in proc.stderr
+
+
+def timed_run(folder, points, mode):
+    """A run whose metrics.jsonl rows are (sim_time_s, test_accuracy or None), one per round."""
+    os.makedirs(folder)
+    cfg = config.Config()
+    cfg.run.mode, cfg.run.out_dir = mode, str(folder)
+    with open(os.path.join(folder, "config.toml"), "w") as fh:
+        fh.write(config.dumps(cfg))
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as fh:
+        for r, (t, acc) in enumerate(points, 1):
+            fh.write(json.dumps({"round": r, "test_accuracy": acc, "sim_time_s": t}) + "\n")
+    open(os.path.join(folder, "final.pt"), "wb").close()
+
+
+def test_at_a_simulated_time(tmp_path):
+    """time-T: each run's last evaluated value at simulated time <= T; a run whose clock ends
+    before T has none (left out with one line); plot --x sim_time_s steps through the same values."""
+    from fedddp.study import plot
+
+    timed_run(tmp_path / "sync", [(10.0, 0.2), (20.0, 0.4), (30.0, 0.5)], "sync")
+    timed_run(tmp_path / "async", [(4.0, 0.1), (8.0, None), (12.0, 0.45), (16.0, 0.5), (33.0, 0.7)], "async")
+    runs = summary.find_runs([str(tmp_path)])
+    assert [summary.value_of(r, "test_accuracy", "time-15") for r in runs] == [0.45, 0.2]
+    assert [summary.value_of(r, "test_accuracy", "time-8.5") for r in runs] == [0.1, None]
+    assert summary.value_of(runs[1], "test_accuracy", "time-31") is None  # the sync clock ended at 30
+    warned = []
+    assert [r.folder for r in summary.usable(runs, ["test_accuracy"], warned.append, "time-31")] == [runs[0].folder]
+    assert "by simulated time 31" in warned[0]
+    rows = summary.summarise(runs, ["test_accuracy"], "time-20", ["run.mode"])
+    assert [(r["run.mode"], r["test_accuracy"][0]) for r in rows] == [("async", 0.5), ("sync", 0.4)]
+    with pytest.raises(summary.ConfigError, match="time-T"):
+        summary.parse_at("time-")
+    x, mean, std = plot.group_curve(runs, "test_accuracy", x="sim_time_s")
+    assert x == [10.0, 12.0, 16.0, 20.0, 30.0]
+    assert mean == pytest.approx([0.15, 0.325, 0.35, 0.45, 0.5])
+    assert plot._points(runs[0], "test_accuracy", None, "sim_time_s") == ([4.0, 12.0, 16.0, 33.0], [0.1, 0.45, 0.5, 0.7])

@@ -143,6 +143,9 @@ def resolve(cfg, comm, model, layout, data, ids, task, resumed: int | None = Non
         rc.parallel_clients = int(resumed)
         return (f"clients {_mode(resumed)} (run.parallel_clients=auto: the checkpoint's B = {resumed}, "
                 "part of the run's identity)")
+    if rc.mode == "async":
+        rc.parallel_clients = 1
+        return "clients one after another (run.parallel_clients=auto: 1 in async mode)"
     if comm.device.type != "cuda":
         rc.parallel_clients = 1
         return ("clients one after another (run.parallel_clients=auto: 1 on CPU, the reference; side by side "

@@ -1,8 +1,9 @@
-"""Plot one metric of several runs against the round, from their metrics.jsonl: a quick look, or a
-figure for a paper.
+"""Plot one metric of several runs against the round (or another key), from their metrics.jsonl: a
+quick look, or a figure for a paper.
 
     python -m fedddp.study.plot runs/fedavg runs/fedgma [--metric test_accuracy] [--out compare.png]
     python -m fedddp.study.plot runs/sweep --group-by algorithm.name [--metric test_accuracy]
+    python -m fedddp.study.plot runs/sweep --group-by run.mode --x sim_time_s
     python -m fedddp.study.plot runs/cmp --group-by algorithm.name --label name=fedavg:FedAvg \\
         --label name=fedmom:FedMom --title "Synthetic(1, 1)" --xlabel Round --ylabel "Test accuracy" \\
         --figsize 3.5,2.6 --style seaborn-v0_8-paper --legend outside --rounds 10-40 --out cmp.pdf
@@ -27,7 +28,10 @@ default) puts the legend where it covers the fewest lines and bands, outside to 
 the axes, below under them, none leaves it out. --rounds A-B draws rounds A to B only (group
 means over the runs that have values there). The file type follows --out's extension: png (at
 --dpi), pdf or svg (text kept as text, no creation date: the same runs give the same file), or
-any other format matplotlib writes. Needs matplotlib (``pip install -e ".[plot]"``).
+any other format matplotlib writes. ``--x KEY`` draws against another number of metrics.jsonl,
+e.g. sim_time_s (the simulated clock: sync and async runs on one time axis); a group is then
+drawn as steps, each run's last value at or before each x any run of the group has, between the
+latest first x and the earliest last x of its runs. Needs matplotlib (``pip install -e ".[plot]"``).
 Exit status 2: a wrong argument, or no run with the metric.
 """
 
@@ -77,30 +81,42 @@ def parse_rounds(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
-def _points(run: Run, metric: str, window: tuple[int, int] | None) -> tuple[list[int], list[float]]:
+def _points(run: Run, metric: str, window: tuple[int, int] | None, x: str = "round") -> tuple[list, list[float]]:
+    """(x values, metric values) of the rounds (in ``window``) that have both."""
     rounds, values = run.series(metric)
-    if window is None:
-        return rounds, values
-    kept = [(r, v) for r, v in zip(rounds, values) if window[0] <= r <= window[1]]
-    return [r for r, _ in kept], [v for _, v in kept]
+    kept = [(r, v) for r, v in zip(rounds, values) if window is None or window[0] <= r <= window[1]]
+    if x == "round":
+        return [r for r, _ in kept], [v for _, v in kept]
+    at = dict(zip(*run.series(x)))
+    pairs = [(at[r], v) for r, v in kept if r in at]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def group_curve(runs: list[Run], metric: str,
-                window: tuple[int, int] | None = None) -> tuple[list[int], list[float], list[float]]:
-    """(rounds, mean, std) over ``runs`` at the rounds (in ``window``) all of them have a value for."""
-    series = [dict(zip(*_points(run, metric, window))) for run in runs]
-    rounds = sorted(set.intersection(*(set(s) for s in series)))
-    stats = [mean_std([s[r] for s in series]) for r in rounds]
-    return rounds, [m for m, _ in stats], [sd for _, sd in stats]
+def group_curve(runs: list[Run], metric: str, window: tuple[int, int] | None = None,
+                x: str = "round") -> tuple[list, list[float], list[float]]:
+    """(x, mean, std) over ``runs``: at the rounds (in ``window``) all of them have a value for;
+    for another x (the simulated clock), each run's last value at or before every x of the runs'
+    values in their common range."""
+    if x == "round":
+        series = [dict(zip(*_points(run, metric, window))) for run in runs]
+        rounds = sorted(set.intersection(*(set(s) for s in series)))
+        stats = [mean_std([s[r] for s in series]) for r in rounds]
+        return rounds, [m for m, _ in stats], [sd for _, sd in stats]
+    curves = [_points(run, metric, window, x) for run in runs]
+    low, high = max(xs[0] for xs, _ in curves), min(xs[-1] for xs, _ in curves)
+    grid = sorted({v for xs, _ in curves for v in xs if low <= v <= high})
+    stats = [mean_std([next(y for v, y in zip(reversed(xs), reversed(ys)) if v <= t) for xs, ys in curves])
+             for t in grid]
+    return grid, [m for m, _ in stats], [sd for _, sd in stats]
 
 
 def series_of(runs: list[Run], metric: str, group_by: str | None, warn,
-              window: tuple[int, int] | None = None) -> list[Series]:
+              window: tuple[int, int] | None = None, x: str = "round") -> list[Series]:
     """The series to draw; runs without the metric (in ``window``) left out via ``warn``."""
     kept = []
     where = f" in rounds {window[0]}-{window[1]}" if window else ""
     for run in runs:
-        if _points(run, metric, window)[1]:
+        if _points(run, metric, window, x)[1]:
             kept.append(run)
         elif window and run.series(metric)[1]:
             warn(f"skipped {run.folder}: no values of {metric}{where}")
@@ -110,13 +126,13 @@ def series_of(runs: list[Run], metric: str, group_by: str | None, warn,
     if not kept:
         raise ConfigError(f"no run has values of {metric!r}{where}")
     if group_by is None:
-        return [Series(os.path.basename(os.path.normpath(run.folder)), label_of(run), *_points(run, metric, window),
+        return [Series(os.path.basename(os.path.normpath(run.folder)), label_of(run), *_points(run, metric, window, x),
                        None) for run in kept]
     keys = differing_keys(kept) if group_by == "auto" else resolve_keys(group_by.split(","), kept)
     lines = []
     for values, members in group_runs(kept, keys).items():
         key = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values)) or "all runs"
-        rounds, mean, std = group_curve(members, metric, window)
+        rounds, mean, std = group_curve(members, metric, window, x)
         if rounds:
             lines.append(Series(key, f"{key} (n={len(members)})", rounds, mean, std))
         else:  # each run has values in the window, but not at a common round
@@ -127,9 +143,9 @@ def series_of(runs: list[Run], metric: str, group_by: str | None, warn,
 
 
 def curves(runs: list[Run], metric: str, group_by: str | None, warn,
-           window: tuple[int, int] | None = None) -> list[tuple]:
-    """[(label, rounds, mean, std or None)] to draw; runs without the metric left out via ``warn``."""
-    return [(s.label, s.rounds, s.values, s.std) for s in series_of(runs, metric, group_by, warn, window)]
+           window: tuple[int, int] | None = None, x: str = "round") -> list[tuple]:
+    """[(label, x values, mean, std or None)] to draw; runs without the metric left out via ``warn``."""
+    return [(s.label, s.rounds, s.values, s.std) for s in series_of(runs, metric, group_by, warn, window, x)]
 
 
 def apply_labels(series: list[Series], items: list[str]) -> list[tuple[Series, str]]:
@@ -178,7 +194,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--label", action="append", default=[], metavar="SERIES:NAME",
                    help="show a series as NAME, e.g. name=fedavg:FedAvg (repeat; sets the legend's order)")
     p.add_argument("--title", default=None, help="title above the axes")
-    p.add_argument("--xlabel", default="round", help="x-axis label (default: round)")
+    p.add_argument("--x", default="round", help="the x axis: round, or a key of metrics.jsonl such as "
+                                                "sim_time_s (the simulated clock: sync and async runs on one axis)")
+    p.add_argument("--xlabel", default=None, help="x-axis label (default: --x)")
     p.add_argument("--ylabel", default=None, help="y-axis label (default: the metric)")
     p.add_argument("--figsize", default="6,4", help="WIDTH,HEIGHT in inches (default 6,4)")
     p.add_argument("--style", default=None, help="a matplotlib style name (e.g. seaborn-v0_8-paper, ggplot) "
@@ -224,7 +242,7 @@ def figure(args: argparse.Namespace, warn):
     window = parse_rounds(args.rounds) if args.rounds else None
     size = parse_figsize(args.figsize)
     style = _style(args.style)
-    series = series_of(find_runs(args.runs), args.metric, args.group_by, warn, window)
+    series = series_of(find_runs(args.runs), args.metric, args.group_by, warn, window, args.x)
     shown = apply_labels(series, args.label)
     with style:
         colours = matplotlib.rcParams["axes.prop_cycle"].by_key().get("color") if args.style else None
@@ -234,20 +252,24 @@ def figure(args: argparse.Namespace, warn):
         handles = []
         for i, (s, text) in enumerate(shown):
             colour = colours[i % len(colours)]
+            # on another x a group's value holds until its next x (group_curve): drawn as steps
+            step = "post" if args.x != "round" and s.std is not None else None
             (line,) = ax.plot(s.rounds, s.values, color=colour, linestyle=LINESTYLES[i % len(LINESTYLES)],
                               marker=MARKERS[i % len(MARKERS)], markersize=4,
-                              markevery=max(1, len(s.rounds) // 12), label=text)
+                              markevery=max(1, len(s.rounds) // 12), label=text,
+                              drawstyle="steps-post" if step else "default")
             handle = line
             if s.std is not None and args.bands != "none":
                 band = ax.fill_between(
                     s.rounds, [m - d for m, d in zip(s.values, s.std)], [m + d for m, d in zip(s.values, s.std)],
                     facecolor=matplotlib.colors.to_rgba(colour, 0.12), linewidth=0,
                     edgecolor=matplotlib.colors.to_rgba(colour, 0.6),
-                    hatch=HATCHES[i % len(HATCHES)] if args.bands == "hatch" else None)
+                    hatch=HATCHES[i % len(HATCHES)] if args.bands == "hatch" else None, step=step)
                 handle = (band, line)  # the legend shows the band's fill and hatch under the line
             handles.append(handle)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-        ax.set_xlabel(args.xlabel)
+        if args.x == "round":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+        ax.set_xlabel(args.xlabel if args.xlabel is not None else args.x)
         ax.set_ylabel(args.ylabel if args.ylabel is not None else args.metric)
         if args.title:
             ax.set_title(args.title)

@@ -17,6 +17,9 @@ with ``#`` and more than one space):
             (one table per Summary line; the verdict reads the first)
   # Verdict:  key=value[&key=value], ... vs key=value, ...  (the claimed groups, then the
             baselines; keys as in the Summary's --by)
+  # Figure:   fedddp.study.plot's arguments, e.g. --group-by run.mode --x sim_time_s (optional; the
+            figure is drawn from the sweep's runs into figures/SWEEP.png beside the document,
+            which shows it with its command; needs matplotlib)
 
 The verdict rule (RULE below): a claimed group reproduces the claim when its mean is better than
 every baseline's mean by more than the larger of the two standard deviations; worse than some
@@ -36,7 +39,10 @@ Exit status: 0 written; 1 some run failed; 2 bad configuration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
+import importlib.util
+import io
 import json
 import os
 import re
@@ -45,14 +51,14 @@ import subprocess
 import sys
 import time
 
-from . import summary, sweep
+from . import plot, summary, sweep
 from ..atomic import atomic_write_text
 from ..errors import ConfigError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEPS = "configs/sweeps/reduced"
 DOC = "docs/results.md"
-FIELDS = ("Paper", "Claim", "Reduced", "Hardware", "Prepare", "Summary", "Verdict")
+FIELDS = ("Paper", "Claim", "Reduced", "Hardware", "Prepare", "Summary", "Verdict", "Figure")
 # This line and what follows it in the document are kept when the document is rewritten.
 KEPT = "<!-- written by hand below: python -m fedddp.study.results keeps this line and what follows -->"
 RULE = ("a claimed method reproduces the claim when its mean is better than every baseline's mean "
@@ -235,9 +241,27 @@ def verdict(rows: list[dict], keys: list[str], metric: str, claimed: list[dict],
     return lines
 
 
-def section(path: str, fields: dict, made_at: str, data: str) -> tuple[list[str], list[str]]:
-    """The markdown of one sweep file's tables; (lines, problems) with a problem per unusable table.
-    ``data``: the data root as given, shown in the sweep's command unless the file sets its own."""
+def figure(text: str, out: str, name: str, doc_dir: str) -> tuple[list[str], list[str]]:
+    """A '# Figure:' line: the plot of the sweep's runs (``out``) drawn into figures/NAME.png beside
+    the document; (the document's lines: its command and the image, problems)."""
+    image = os.path.join(doc_dir, "figures", f"{name}.png")
+    args = [out] + shlex.split(text)
+    shown = " ".join(["python -m fedddp.study.plot"] + [shlex.quote(a) for a in args]
+                     + ["--out", os.path.relpath(image, REPO)])
+    if importlib.util.find_spec("matplotlib") is None:
+        return [f"No figure here (matplotlib is not installed): `{shown}` draws it.", ""], []
+    os.makedirs(os.path.dirname(image), exist_ok=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        status = plot.main(args + ["--out", image])
+    if status != 0:
+        return [f"No figure: `{shown}` failed (exit status {status}).", ""], [f"{name}: the figure failed"]
+    return ["```", shown, "```", "", f"![{name}]({os.path.relpath(image, doc_dir)})", ""], []
+
+
+def section(path: str, fields: dict, made_at: str, data: str, doc_dir: str = "docs") -> tuple[list[str], list[str]]:
+    """The markdown of one sweep file's tables (and figure); (lines, problems) with a problem per
+    unusable table. ``data``: the data root as given, shown in the sweep's command unless the file
+    sets its own; ``doc_dir``: the document's folder (its figures/ holds the figures)."""
     rel = os.path.relpath(path, REPO)
     out, raw, points = sweep.plan(rel, [], None)
     lines = [f"## {os.path.splitext(os.path.basename(path))[0]}", ""]
@@ -283,6 +307,10 @@ def section(path: str, fields: dict, made_at: str, data: str) -> tuple[list[str]
             lines += [f"Verdict ({metrics[0]}, {args.at}, mean ± std over the seeds):", ""]
             lines += [f"- {v}" for v in verdict(rows, keys, metrics[0], claimed, baselines, args.digits, rel)]
             lines.append("")
+    for text in fields.get("Figure", []) if runs else []:
+        part, bad = figure(text, out, os.path.splitext(os.path.basename(path))[0], doc_dir)
+        lines += part
+        problems += bad
     return lines, problems
 
 
@@ -297,7 +325,7 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str)
              f"**Verdict rule.** {RULE[0].upper()}{RULE[1:]}", ""]
     problems, sections, overview = [], [], []
     for path in paths:
-        part, bad = section(path, header(path), made_at, data)
+        part, bad = section(path, header(path), made_at, data, os.path.dirname(os.path.abspath(doc)))
         sections += part
         problems += bad
         name = os.path.splitext(os.path.basename(path))[0]

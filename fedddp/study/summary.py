@@ -1,7 +1,7 @@
 """Tables of mean +- std over seeds, from finished runs: the form of a paper's table.
 
     python -m fedddp.study.summary runs/sweep [DIR ...] [--metric test_accuracy[,test_loss]]
-                             [--at last|best|mean-last-K|rounds-A-B] [--by key,...] [--format md|csv]
+                             [--at last|best|mean-last-K|rounds-A-B|time-T] [--by key,...] [--format md|csv]
 
 A DIR is a run's out_dir or any folder above run folders (a sweep's --out). Runs are grouped by
 the config keys whose values differ between them, except the seeds (run.seed, data.seed) and
@@ -14,6 +14,10 @@ mean +- sample std (n runs) of one number per run:
   best          its best value over the rounds (lowest for losses, MAE and seconds, else highest)
   mean-last-K   the mean of its last K values
   rounds-A-B    the mean of its values in rounds A to B (seed 000's Table 1: rounds-171-200)
+  time-T        its last value at simulated time T or before (metrics.jsonl's sim_time_s, seconds
+                on the clock of data.client_speed: the model a server holds at T, as last
+                evaluated), so runs of different speeds, sync and async, compare on one clock; a
+                run whose clock ended before T has none
 
 A run without final.pt (unfinished) or without a value of the metric is left out with one line
 on stderr. Exit status 2 when nothing is left to summarise or an argument is wrong.
@@ -110,16 +114,18 @@ def lower_is_better(metric: str) -> bool:
     return metric.endswith(("loss", "mae", "_s")) or "error" in metric
 
 
-def parse_at(at: str) -> tuple[str, int, int]:
-    """'last' | 'best' | 'mean-last-K' | 'rounds-A-B' -> (kind, K or A, B)."""
+def parse_at(at: str) -> tuple[str, float, int]:
+    """'last' | 'best' | 'mean-last-K' | 'rounds-A-B' | 'time-T' -> (kind, K or A or T, B)."""
     if at in ("last", "best"):
         return at, 1, 0
     if (match := re.fullmatch(r"mean-last-(\d+)", at)) and int(match.group(1)) > 0:
         return "mean-last", int(match.group(1)), 0
     if (match := re.fullmatch(r"rounds-(\d+)-(\d+)", at)) and 1 <= int(match.group(1)) <= int(match.group(2)):
         return "rounds", int(match.group(1)), int(match.group(2))
-    raise ConfigError(f"--at: {at!r} is not last, best, mean-last-K (K >= 1, e.g. mean-last-30) or "
-                      "rounds-A-B (1 <= A <= B, e.g. rounds-171-200)")
+    if match := re.fullmatch(r"time-(\d+(?:\.\d*)?)", at):
+        return "time", float(match.group(1)), 0
+    raise ConfigError(f"--at: {at!r} is not last, best, mean-last-K (K >= 1, e.g. mean-last-30), "
+                      "rounds-A-B (1 <= A <= B, e.g. rounds-171-200) or time-T (simulated seconds, e.g. time-600)")
 
 
 def reduce(rounds: list[int], values: list[float], metric: str, at: str) -> float | None:
@@ -134,6 +140,20 @@ def reduce(rounds: list[int], values: list[float], metric: str, at: str) -> floa
         values = [v for r, v in zip(rounds, values) if k <= r <= last]
         return sum(values) / len(values) if values else None
     return sum(values[-k:]) / len(values[-k:])
+
+
+def value_of(run: Run, metric: str, at: str) -> float | None:
+    """One number of ``run`` (``reduce``); for time-T its metric's last value in a round whose
+    sim_time_s is <= T, None when it has none or its clock ended before T."""
+    kind, t, _ = parse_at(at)
+    rounds, values = run.series(metric)
+    if kind != "time":
+        return reduce(rounds, values, metric, at) if values else None
+    clock = dict(zip(*run.series("sim_time_s")))
+    if not clock or max(clock.values()) < t:
+        return None
+    before = [v for r, v in zip(rounds, values) if r in clock and clock[r] <= t]
+    return before[-1] if before else None
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -184,11 +204,12 @@ def usable(runs: list[Run], metrics: list[str], warn, at: str = "last") -> list[
     one line through ``warn``."""
     kept = []
     for run in runs:
-        missing = [m for m in metrics if not run.series(m)[1] or reduce(*run.series(m), m, at) is None]
+        missing = [m for m in metrics if value_of(run, m, at) is None]
         if not run.finished:
             warn(f"skipped {run.folder}: unfinished (no final.pt)")
         elif missing:
-            warn(f"skipped {run.folder}: no values of {', '.join(missing)} "
+            when = f" by simulated time {parse_at(at)[1]:g} (its sim_time_s)" if at.startswith("time-") else ""
+            warn(f"skipped {run.folder}: no values of {', '.join(missing)}{when} "
                  f"(its metrics: {', '.join(run.metric_names()) or 'none'})")
         else:
             kept.append(run)
@@ -201,7 +222,7 @@ def summarise(runs: list[Run], metrics: list[str], at: str, keys: list[str]) -> 
     for values, members in group_runs(runs, keys).items():
         row = dict(zip(keys, values))
         for metric in metrics:
-            per_run = [reduce(*run.series(metric), metric, at) for run in members]
+            per_run = [value_of(run, metric, at) for run in members]
             row[metric] = (*mean_std(per_run), len(per_run))
         rows.append(row)
     return rows
@@ -239,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dirs", nargs="+", help="run folders, or folders above them (a sweep's --out)")
     parser.add_argument("--metric", default="test_accuracy",
                         help="metrics.jsonl key(s), comma-separated (default test_accuracy)")
-    parser.add_argument("--at", default="last", help="last, best, mean-last-K or rounds-A-B (default last)")
+    parser.add_argument("--at", default="last", help="last, best, mean-last-K, rounds-A-B or time-T (default last)")
     parser.add_argument("--by", default=None, help="grouping keys, comma-separated (default: the keys "
                                                    "that differ, seeds left out)")
     parser.add_argument("--format", default="md", choices=("md", "csv"))
