@@ -101,9 +101,9 @@ class ReportLayout:
 
 class Progress:
     """One line on rank 0: round, test metric (accuracy or MAE), train loss, (DP-FedAvg) the last
-    epsilon written, the last round's seconds and the steady mean (rounds after this process's first, which pays for warm-up:
-    kernel builds, Triton compiles, first-touch allocations), ETA from the steady mean. Rewritten
-    in place on a terminal; on a log file one line per evaluation."""
+    epsilon written, the last round's seconds and the steady mean (rounds after this process's
+    first, which pays for warm-up: kernel builds, Triton compiles, first-touch allocations), ETA
+    from the steady mean. Rewritten in place on a terminal; on a log file one line per evaluation."""
 
     def __init__(self, total: int, enabled: bool, metric_key: str = "test_accuracy"):
         self.total, self.enabled = total, enabled
@@ -538,7 +538,8 @@ def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int], re
     but for a private rule under Poisson sampling, whose noise is released every round), then
     every rank learns whether the run diverged: a non-finite model or loss ends the run before
     this round writes anything. ``reporting``: the round evaluates (every run.eval_every rounds
-    and the last), so the privacy spent is written with its accuracy. Returns (diagnostics, train loss, stacks) on rank 0."""
+    and the last), so the privacy spent is written with its accuracy. Returns (diagnostics, train
+    loss, stacks) on rank 0."""
     cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     if comm.is_main:
         try:
@@ -678,7 +679,8 @@ class Book:
                  ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "final.pt", "checkpoints",
                   "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
         eps, params = (self.last_row or {}).get("epsilon"), self.run.cfg.algorithm.params
-        cohort = f" (for a noise cohort of {params['dp_noise_cohort']} a round)" if params.get("dp_noise_cohort") else ""
+        cohort = f" (for a noise cohort of {params['dp_noise_cohort']} a round)" \
+            if params.get("dp_noise_cohort") else ""
         dp = f"; epsilon {eps:.4g} at delta {params['dp_delta']:g}{cohort}" if eps is not None else ""
         return f"fedddp: finished {self.run.cfg.run.rounds} rounds; {out_dir} holds {', '.join(names)}{dp}"
 

@@ -35,8 +35,8 @@ def owned_clients(num_clients: int, rank: int, world_size: int) -> list[int]:
 
 
 def sample_clients(num_clients: int, num_sampled: int, seed: int, round_idx: int) -> list[int]:
-    """Fixed-size sampling (run.sampling = fixed): K client ids, sorted ascending, drawn without replacement from a generator seeded by
-    (seed, round)."""
+    """Fixed-size sampling (run.sampling = fixed): K client ids, sorted ascending, drawn without
+    replacement from a generator seeded by (seed, round)."""
     if num_sampled >= num_clients:
         return list(range(num_clients))
     gen = torch.Generator().manual_seed(_mix(_SAMPLE_STREAM, seed, round_idx))

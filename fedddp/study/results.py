@@ -257,8 +257,8 @@ def match(rows: list[dict], keys: list[str], metric: str, claimed: dict, referen
               f"{ref[0]:.{digits}f} ± {ref[1]:.{digits}f}")
     if abs(mine[0] - ref[0]) <= max(mine[1], ref[1]):
         return f"**reproduced (matches)**: {versus}; the means differ by no more than the larger std."
-    return (f"**not reproduced at this scale (differs)**: {versus}; the means differ by {abs(mine[0] - ref[0]):.{digits}f}, "
-            "more than both stds.")
+    return (f"**not reproduced at this scale (differs)**: {versus}; the means differ by "
+            f"{abs(mine[0] - ref[0]):.{digits}f}, more than both stds.")
 
 
 def section(path: str, fields: dict, made_at: str, data: str) -> tuple[list[str], list[str]]:
