@@ -74,8 +74,8 @@ def _check_pair(cfg, local: str, server: str, params: dict) -> list[str]:
                           "from the SGD one implemented here; use another local rule")
         if not cfg.train.momentum < 1:
             errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
-    if server == "dpfedavg":
-        errors += _check_dp(cfg)
+    if strategy.private:
+        errors += _check_dp(cfg, server, params)
     if cfg.algorithm.server_lr != 1.0 and not strategy.takes_server_lr:
         takers = [n for n, (_, s) in ALGORITHMS.items() if strategies.SERVER_RULES[s].takes_server_lr]
         errors.append(f"algorithm.server_lr: the {server} server rule (algorithm.name = {name}) has no "
@@ -92,19 +92,47 @@ def _check_pair(cfg, local: str, server: str, params: dict) -> list[str]:
     return errors + check_optimizer(cfg.train)
 
 
-def _check_dp(cfg) -> list[str]:
+def sampling_of(cfg) -> str:
+    """run.sampling, fixed or poisson: with auto, poisson for a private server rule (DP-FedAvg,
+    whose accountant then matches the sampling) and fixed for the others."""
+    if cfg.run.sampling != "auto":
+        return cfg.run.sampling
+    server = resolve(cfg.algorithm)[1]
+    return "poisson" if getattr(strategies.SERVER_RULES.get(server), "private", False) else "fixed"
+
+
+def _check_dp(cfg, server: str, params: dict) -> list[str]:
     """DP-FedAvg's bound on one client's influence, C / K, holds for equal weights; its epsilon is
-    dp-accounting's (its own values are checked by the rule: strategies/dpfedavg.py)."""
+    dp-accounting's, for the run's sampling (its own values are checked by the rule:
+    strategies/dpfedavg.py); the noise cohort and adaptive clipping's count noise against the
+    cohort."""
     errors = []
     if weighting_of(cfg.algorithm) != "uniform":
-        errors.append(f"algorithm.weighting: dpfedavg bounds one client's influence by C / K with equal "
+        errors.append(f"algorithm.weighting: {server} bounds one client's influence by C / K with equal "
                       f"weights; set algorithm.weighting = uniform or auto, not {cfg.algorithm.weighting}")
     try:
         import dp_accounting  # noqa: F401
     except ImportError:
-        errors.append("algorithm.name: dpfedavg accounts its privacy with Google's dp-accounting (RDP, "
-                      "sampling without replacement), which is not installed: pip install 'fedddp[dp]' "
-                      "(or pip install dp-accounting)")
+        errors.append(f"algorithm.name: {server} accounts its privacy with Google's dp-accounting (PLD or "
+                      "RDP), which is not installed: pip install 'fedddp[dp]' (or pip install dp-accounting)")
+    sampling = dataclasses.replace(cfg.run, sampling=sampling_of(cfg))
+    if sampling.sampling == "fixed" and params.get("dp_accountant") == "pld":
+        errors.append("algorithm.params.dp_accountant: pld cannot account run.sampling = fixed (K of N without "
+                      "replacement: dp-accounting's PLD accountant has no such event); use run.sampling=poisson, "
+                      "or algorithm.params.dp_accountant=rdp")
+    cohort = dataclasses.replace(cfg, run=sampling).expected_cohort()
+    noise_cohort, n = params.get("dp_noise_cohort", 0), cfg.data.num_clients
+    if noise_cohort and not cohort <= noise_cohort <= n:
+        errors.append(f"algorithm.params.dp_noise_cohort: the noise is calibrated for this many clients a round, "
+                      f"so it must lie between the clients that train ({cohort:g} a round) and data.num_clients "
+                      f"= {n}; got {noise_cohort}")
+    elif params.get("dp_adaptive_quantile", 0) > 0 and params.get("dp_noise", 0) > 0:
+        sigma_b = params["dp_adaptive_count_noise"] or (noise_cohort or cohort) / 20
+        if not 2 * sigma_b > params["dp_noise"]:
+            errors.append(f"algorithm.params.dp_adaptive_count_noise: adaptive clipping's count noise sigma_b = "
+                          f"{sigma_b:g} (0: cohort / 20) must exceed dp_noise / 2 = {params['dp_noise'] / 2:g}, "
+                          "else no update noise keeps the total privacy at dp_noise; raise it (Andrew et al. "
+                          "use cohort / 20) or the cohort")
     return errors
 
 

@@ -92,20 +92,35 @@ def translated(saved: dict, now: dict) -> dict:
     """An identity written while the built-in rules' hyperparameters were flat keys
     (algorithm.cong_alpha: config.ALIASES) as it reads today: each becomes the algorithm.params
     entry of that name when the run's rules declare it (``now``'s params hold every declared name),
-    and is dropped otherwise, since no rule of that run read it. Without run.parallel_clients (older
-    than the key) it is 1, that key's default then."""
-    if "run.parallel_clients" not in saved:
-        saved = {**saved, "run.parallel_clients": 1}
+    and is dropped otherwise, since no rule of that run read it. Keys added since it was written
+    (config.BEFORE_THE_KEY) take the value that stands for what fedddp did then."""
     flat = [k for k in saved if k.startswith("algorithm.") and k.removeprefix("algorithm.") in config.ALIASES]
-    if not flat:
-        return saved
     declared = now.get("algorithm.params") or {}
+    if flat:
+        params = dict(saved.get("algorithm.params") or {})
+        for key in flat:
+            name = key.removeprefix("algorithm.")
+            if name in declared:
+                params.setdefault(name, saved[key])
+        saved = {**{k: v for k, v in saved.items() if k not in flat}, "algorithm.params": params}
+    return _before_the_keys(saved, now)
+
+
+def _before_the_keys(saved: dict, now: dict) -> dict:
+    """``saved`` with each key added to fedddp after it was written (config.BEFORE_THE_KEY) at the
+    value that stands for what the code did then: run.sampling fixed, DP-FedAvg's RDP accountant."""
+    saved, declared = dict(saved), now.get("algorithm.params") or {}
     params = dict(saved.get("algorithm.params") or {})
-    for key in flat:
-        name = key.removeprefix("algorithm.")
-        if name in declared:
-            params.setdefault(name, saved[key])
-    return {**{k: v for k, v in saved.items() if k not in flat}, "algorithm.params": params}
+    for key, value in config.BEFORE_THE_KEY.items():
+        name = key.removeprefix("algorithm.params.")
+        if name != key:
+            if name in declared and "algorithm.params" in saved:
+                params.setdefault(name, value)
+        elif key in now:
+            saved.setdefault(key, value)
+    if "algorithm.params" in saved:
+        saved["algorithm.params"] = params
+    return saved
 
 
 def identity_of(folder: str) -> dict:

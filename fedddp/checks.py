@@ -30,9 +30,10 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
     if errors:
         where = f" in {path}" if path else ""
         raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
-    # resolved once, so config.toml, the start line and every rule see the same weighting and
-    # the same rule parameters (the declared defaults filled in)
+    # resolved once, so config.toml, the start line and every rule see the same weighting,
+    # sampling and rule parameters (the declared defaults filled in)
     cfg.algorithm.weighting = weighting_of(cfg.algorithm)
+    cfg.run.sampling = algorithms.sampling_of(cfg)
     cfg.algorithm.params = algorithms.resolved(cfg.algorithm).params
     return cfg
 

@@ -44,6 +44,16 @@ class RunConfig:
                                        "final.pt, checkpoints/ (and tensorboard/ with run.tensorboard).")
     clients_per_round: int = opt(0, "Clients sampled per round (K). 0: use participation instead.")
     participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.")
+    sampling: str = opt("auto", "How a round's clients are drawn, from (seed, round) alone. fixed: exactly K "
+                                "(clients_per_round, else participation x N rounded) of the N clients, "
+                                "uniformly without replacement. poisson: each client independently with "
+                                "probability q (participation, or clients_per_round / N when that is set), "
+                                "drawn per (seed, round, client id): q N clients on average, and a round "
+                                "may have none (the model then stays, except under a DP rule, whose noise "
+                                "is released every round). auto: poisson for the DP rules (dpfedavg, "
+                                "dpfedmom: the privacy accountant's sampling), fixed for the others; "
+                                "resolved when the config loads (docs/algorithms.md).",
+                        ("auto", "fixed", "poisson"))
     eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).")
     ckpt_every: int = opt(0, "Write a checkpoint every this many rounds (0: none but at run.stop_after; "
                              "final.pt is written either way).")
@@ -250,15 +260,26 @@ class AlgorithmConfig:
 # them translate the same way (fedddp.checkpoint.identity_changes). The declarations themselves
 # (defaults, docs, checks) are the rules' (tests/test_config.py holds the two in step).
 ALIASES: dict[str, tuple[str, ...]] = {
-    "server_momentum": ("fedmom",), "cong_alpha": ("fedcong",),
+    "server_momentum": ("fedmom", "dpfedmom"), "cong_alpha": ("fedcong",),
     "gma_threshold": ("fedgma",), "gma_grad": ("fedgma",), "gma_mask": ("fedgma",),
     "cgw_alpha": ("cgw",), "feder_unfold": ("feder",),
-    "dp_clip": ("dpfedavg",), "dp_noise": ("dpfedavg",), "dp_delta": ("dpfedavg",),
+    "dp_clip": ("dpfedavg", "dpfedmom"), "dp_noise": ("dpfedavg", "dpfedmom"), "dp_delta": ("dpfedavg", "dpfedmom"),
     "prox_mu": ("prox",), "scaffold_control": ("scaffold",),
     "moon_mu": ("moon",), "moon_tau": ("moon",), "moon_proj_dim": ("moon",),
     "sam_rho": ("sam", "smoo", "fedsmoo"), "gam_rho": ("gam", "gam_cv"), "gam_alpha": ("gam", "gam_cv"),
     "smoo_lambda": ("smoo",),
 }
+
+
+# What a key meant before fedddp had it: a checkpoint whose run identity does not name the key was
+# written by code that behaved as this value does, so fedddp.checkpoint.identity_changes compares
+# with it (not with today's default, where the two differ: auto sampling is poisson for DP-FedAvg,
+# which sampled a fixed K of N before). A rule's parameter (algorithm.params.NAME) counts only
+# where the resuming run's rules declare it.
+BEFORE_THE_KEY: dict[str, Any] = {
+    "run.parallel_clients": 1, "run.sampling": "fixed", "algorithm.params.dp_accountant": "rdp", "algorithm.params.dp_adaptive_quantile": 0.0,
+    "algorithm.params.dp_adaptive_lr": 0.2, "algorithm.params.dp_adaptive_count_noise": 0.0,
+    "algorithm.params.dp_noise_cohort": 0}
 
 
 @dataclass
@@ -270,10 +291,25 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
     def num_sampled(self) -> int:
-        """K: clients sampled per round."""
+        """K: clients sampled per round (fixed-size sampling)."""
         if self.run.clients_per_round > 0:
             return self.run.clients_per_round
         return max(1, round(self.run.participation * self.data.num_clients))
+
+    def sampling_rate(self) -> float:
+        """q, each client's probability of being sampled in a round under Poisson sampling:
+        clients_per_round / N when that is set, else participation."""
+        if self.run.clients_per_round > 0:
+            return self.run.clients_per_round / self.data.num_clients
+        return self.run.participation
+
+    def expected_cohort(self) -> float:
+        """Clients sampled per round on average: K (fixed-size sampling) or q N (Poisson), the
+        denominator of DP-FedAvg's fixed-denominator estimator."""
+        if self.run.sampling == "poisson":
+            return float(self.run.clients_per_round) if self.run.clients_per_round > 0 else \
+                self.run.participation * self.data.num_clients
+        return float(self.num_sampled())
 
     def data_root(self) -> str:
         return self.data.root or os.environ.get("FEDDDP_DATA", "") or "data"

@@ -34,6 +34,7 @@ BUILT_IN: dict[str, tuple[str, str, str]] = {
     "fedgam_cv": ("gam_cv", "fedgam_cv", "uniform"),     # seed 002, Alg. 2 line 15
     "fedsmoo": ("smoo", "fedsmoo", "uniform"),           # FL-Simulator's FedSMOO: mean
     "dpfedavg": ("plain", "dpfedavg", "uniform"),        # McMahan et al. 2018, w_k = 1: one client moves w by <= C / K
+    "dpfedmom": ("plain", "dpfedmom", "uniform"),        # DP-FedAvg's mechanism, then FedMom's step (post-processing)
     "fedadam": ("plain", "fedadam", "samples"),          # Reddi et al. 2021, Alg. 2: FedAvg's weighted update
 }
 

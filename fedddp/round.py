@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import asynchrony, checkpoint, config, logs, outdir, participation, strategies, tasks
-from .algorithms import build_model, describe as describe_algorithm
+from .algorithms import build_model, describe as describe_algorithm, sampling_of
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import parallel, rules as local_rules
 from .client.batched import BatchedTrainer
@@ -29,7 +29,7 @@ from .errors import ConfigError, DataError, DivergenceError, PluginError, UserEr
 from .flat import FlatLayout
 from .registry import resolve
 from .sampling import (assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, owner,
-                       sample_clients, travelling)
+                       sample_clients, sample_poisson, travelling)
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
 VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"),
@@ -100,16 +100,17 @@ class ReportLayout:
 
 
 class Progress:
-    """One line on rank 0: round, test metric (accuracy or MAE), train loss, the last round's
-    seconds and the steady mean (rounds after this process's first, which pays for warm-up:
-    kernel builds, Triton compiles, first-touch allocations), ETA from the steady mean. Rewritten
-    in place on a terminal; on a log file one line per evaluation."""
+    """One line on rank 0: round, test metric (accuracy or MAE), train loss, (DP-FedAvg) the last
+    epsilon written, the last round's seconds and the steady mean (rounds after this process's
+    first, which pays for warm-up: kernel builds, Triton compiles, first-touch allocations), ETA
+    from the steady mean. Rewritten in place on a terminal; on a log file one line per evaluation."""
 
     def __init__(self, total: int, enabled: bool, metric_key: str = "test_accuracy"):
         self.total, self.enabled = total, enabled
         self.metric_key, self.metric_label = metric_key, metric_key.removeprefix("test_")[:3]
         self.tty = sys.stderr.isatty()
         self.last_end, self.seconds = time.perf_counter(), []
+        self.epsilon = None  # the last epsilon written (DP-FedAvg: on the rounds that evaluate)
 
     def update(self, round_idx: int, start_round: int, metrics: dict) -> None:
         now = time.perf_counter()
@@ -124,7 +125,10 @@ class Progress:
         acc_text = f"{self.metric_label} {acc:.4f}" if acc is not None else f"{self.metric_label}   -   "
         loss = metrics["train_loss"]
         loss_text = f"{loss:.4f}" if loss is not None else "  -   (no reports)"
-        line = (f"round {round_idx}/{self.total} | {acc_text} | train loss {loss_text}"
+        if metrics.get("epsilon") is not None:
+            self.epsilon = metrics["epsilon"]
+        eps_text = f" | eps {self.epsilon:.3g}" if self.epsilon is not None else ""
+        line = (f"round {round_idx}/{self.total} | {acc_text} | train loss {loss_text}{eps_text}"
                 f" | {self.seconds[-1]:.2f} s this round, {mean:.2f} s/round steady"
                 f" | ETA {int(eta) // 60}:{int(eta) % 60:02d}")
         if self.tty:
@@ -287,7 +291,10 @@ def plan_round(cfg: config.Config, round_idx: int, num_samples: list[int], cost_
                world_size: int, balanced: bool) -> RoundPlan:
     """sample -> drop -> assign: the round's clients, who trains them and their report rows."""
     rc = cfg.run
-    sampled = sample_clients(cfg.data.num_clients, cfg.num_sampled(), rc.seed, round_idx)
+    if sampling_of(cfg) == "poisson":  # each client with probability q: the cohort may be empty
+        sampled = sample_poisson(cfg.data.num_clients, cfg.sampling_rate(), rc.seed, round_idx)
+    else:
+        sampled = sample_clients(cfg.data.num_clients, cfg.num_sampled(), rc.seed, round_idx)
     reporting = [c for c in sampled if not participation.drops_out(rc.dropout, rc.seed, round_idx, c)]
     if rc.parallel_clients > 1:  # groups trained side by side, cut whatever the world size
         per_rank, groups_R = assign_groups(reporting, cost_K.__getitem__, world_size, balanced, rc.parallel_clients)
@@ -373,6 +380,8 @@ class Setup:
     sim_time_s: float = 0.0            # the simulated clock after the last round
     clock: asynchrony.Clock | None = None  # async mode: the schedule after the last update
     versions: dict[int, torch.Tensor] | None = None  # async: the model versions training clients started from
+    # a private rule under Poisson sampling aggregates every round, also one without reports
+    every_round: bool = False
 
 
 def _run(cfg: config.Config, comm, resume_round: int) -> dict:
@@ -391,7 +400,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         train_clients(run, comm, plan, rows_MF)
         rows_KF, reported, train_s_R = gather_reports(run, comm, plan, rows_MF)
         clock["gather"] = time.perf_counter()
-        diagnostics, train_loss, stacks = aggregate(run, comm, round_idx, rows_KF, reported)
+        diagnostics, train_loss, stacks = aggregate(run, comm, round_idx, rows_KF, reported,
+                                                    reporting=_evaluates(rc, round_idx))
         diagnostics |= _sync_clock(run, plan)
         clock["aggregate"] = time.perf_counter()
         broadcast_model(run, comm)
@@ -509,6 +519,7 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     """Data, model, flat layout, rules, trainer and report layout; the checkpoint's model and
     state when resuming; config.toml and the log files on rank 0."""
     rc = cfg.run
+    rc.sampling = sampling_of(cfg)  # auto resolved (checks.load has done it for a loaded config)
     torch.set_num_threads(rc.num_threads)
     # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
     torch.set_default_dtype(torch.float32)
@@ -563,7 +574,8 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
                 ReportLayout(needs, layout.numel, len(layout.conv_entries())), _static_stacks(needs, cfg, layout, device),
                 client_states, balanced, [expected_cost(n, cfg.train) for n in data.num_samples],
                 ckpt_root, global_P, strategy.init_state(global_P, cfg.algorithm),
-                rows_buffer=torch.empty(0, 0, device=device), clients_note=clients_note)
+                rows_buffer=torch.empty(0, 0, device=device), clients_note=clients_note,
+                every_round=strategy.private and rc.sampling == "poisson")
     try:
         run.speeds = asynchrony.client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
     except ValueError as exc:  # checked when the config loaded; a file changed since
@@ -694,20 +706,27 @@ def gather_reports(run: Setup, comm, plan: RoundPlan, rows_MF: torch.Tensor):
     return rows_KF, reported, train_s_R
 
 
-def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int]):
-    """The server rule on rank 0 (a round without reports leaves model and state as they were),
-    then every rank learns whether the run diverged: a non-finite model or loss ends the run
-    before this round writes anything. Returns (diagnostics, train loss, stacks) on rank 0."""
+def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int], reporting: bool = True):
+    """The server rule on rank 0 (a round without reports leaves model and state as they were,
+    but for a private rule under Poisson sampling, whose noise is released every round), then
+    every rank learns whether the run diverged: a non-finite model or loss ends the run before
+    this round writes anything. ``reporting``: the round evaluates (every run.eval_every rounds
+    and the last), so the privacy spent is written with its accuracy. Returns (diagnostics, train
+    loss, stacks) on rank 0."""
     cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     if comm.is_main:
         try:
-            if reported:
+            if reported or run.every_round:
                 stacks = run.report.unpack(rows_KF) | run.static
                 run.global_P, run.state, diagnostics = run.strategy.aggregate(run.global_P, stacks, run.state,
                                                                               cfg.algorithm)
+            if reported:
                 train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
             if run.strategy.ledger is not None:
                 diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))
+            if run.strategy.spent is not None:
+                eps = run.strategy.spent(run.state, run.static, cfg.algorithm) if reporting else None
+                diagnostics["epsilon"] = torch.tensor(eps, dtype=torch.float64) if eps is not None else None
         except PluginError as exc:  # a plugin rule's own failure: every rank ends with its status
             error = exc
         if error is None and not ((train_loss is None or math.isfinite(train_loss))
@@ -727,11 +746,15 @@ def broadcast_model(run: Setup, comm) -> None:
 
 def evaluate_round(run: Setup, comm, round_idx: int) -> tuple[float | None, float | None]:
     """Test loss and metric every run.eval_every rounds and at the last; (None, None) between."""
-    rc = run.cfg.run
-    if round_idx % rc.eval_every and round_idx != rc.rounds:
+    if not _evaluates(run.cfg.run, round_idx):
         return None, None
     run.layout.unflatten_into(run.global_P, run.model)
     return evaluate(run.model, run.data.test, comm, run.task)
+
+
+def _evaluates(rc: config.RunConfig, round_idx: int) -> bool:
+    """Every run.eval_every rounds and at the last."""
+    return not round_idx % rc.eval_every or round_idx == rc.rounds
 
 
 def checkpoint_files(run: Setup, comm, round_idx: int, stopping: bool):
@@ -830,8 +853,10 @@ class Book:
         names = [n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in
                  ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "final.pt", "checkpoints",
                   "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
-        eps = (self.last_row or {}).get("epsilon")
-        dp = f"; epsilon {eps:.4g} at delta {self.run.cfg.algorithm.params['dp_delta']:g}" if eps is not None else ""
+        eps, params = (self.last_row or {}).get("epsilon"), self.run.cfg.algorithm.params
+        cohort = f" (for a noise cohort of {params['dp_noise_cohort']} a round)" \
+            if params.get("dp_noise_cohort") else ""
+        dp = f"; epsilon {eps:.4g} at delta {params['dp_delta']:g}{cohort}" if eps is not None else ""
         return f"fedddp: finished {self.run.cfg.run.rounds} rounds; {out_dir} holds {', '.join(names)}{dp}"
 
 
@@ -855,7 +880,8 @@ def _straggler_row(row_F: torch.Tensor, report: ReportLayout, steps: int) -> Non
 def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:
     """Stacks that are not client reports but fixed for the run: conv_runs_R3 (FedER),
     param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO, DP-FedAvg),
-    client_momentum (FedNova's rho), num_sampled and noise_seed (DP-FedAvg)."""
+    client_momentum (FedNova's rho), num_sampled (K, or the expected cohort q N under Poisson
+    sampling), sampling_rate (q), poisson and noise_seed (DP-FedAvg)."""
     static = {}
     if "conv_runs_R3" in needs:
         static["conv_runs_R3"] = layout.conv_runs_R3().to(device)
@@ -866,7 +892,11 @@ def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[st
     if "client_momentum" in needs:
         static["client_momentum"] = torch.tensor(float(cfg.train.momentum), device=device)
     if "num_sampled" in needs:
-        static["num_sampled"] = torch.tensor(float(cfg.num_sampled()), device=device)
+        static["num_sampled"] = torch.tensor(cfg.expected_cohort(), device=device)
+    if "sampling_rate" in needs:
+        static["sampling_rate"] = torch.tensor(cfg.sampling_rate(), dtype=torch.float64)
+    if "poisson" in needs:
+        static["poisson"] = torch.tensor(cfg.run.sampling == "poisson")
     if "noise_seed" in needs:
         static["noise_seed"] = torch.tensor(cfg.run.seed, dtype=torch.int64)
     return static

@@ -13,6 +13,7 @@ import torch
 # Distinct streams so the sampler, a client's training and the data never share a seed.
 _SAMPLE_STREAM = 0x5A17
 _CLIENT_STREAM = 0xC11E
+_POISSON_STREAM = 0x9015
 
 
 def _mix(*parts: int) -> int:
@@ -34,12 +35,27 @@ def owned_clients(num_clients: int, rank: int, world_size: int) -> list[int]:
 
 
 def sample_clients(num_clients: int, num_sampled: int, seed: int, round_idx: int) -> list[int]:
-    """K client ids, sorted ascending, drawn without replacement from a generator seeded by
-    (seed, round)."""
+    """Fixed-size sampling (run.sampling = fixed): K client ids, sorted ascending, drawn without
+    replacement from a generator seeded by (seed, round)."""
     if num_sampled >= num_clients:
         return list(range(num_clients))
     gen = torch.Generator().manual_seed(_mix(_SAMPLE_STREAM, seed, round_idx))
     return sorted(torch.randperm(num_clients, generator=gen)[:num_sampled].tolist())
+
+
+def sample_poisson(num_clients: int, rate: float, seed: int, round_idx: int) -> list[int]:
+    """Poisson sampling: each client independently with probability ``rate`` (q), so the round's
+    cohort has q N clients on average and may be empty. Client c is in when a uniform in [0, 1)
+    drawn from (seed, round, c) alone is below q: no draw depends on another client or on the
+    rank, so every rank computes the same cohort without communicating, for any world size."""
+    if rate >= 1.0:
+        return list(range(num_clients))
+    return [c for c in range(num_clients) if uniform(_POISSON_STREAM, seed, round_idx, c) < rate]
+
+
+def uniform(*parts: int) -> float:
+    """A float64 in [0, 1) from the 63-bit hash of ``parts``: its top 53 bits, 2**-53 apart."""
+    return (_mix(*parts) >> 10) * 2.0 ** -53
 
 
 def client_seed(seed: int, round_idx: int, client_id: int) -> int:

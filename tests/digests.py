@@ -6,6 +6,7 @@ hashes each final model, and compares the hashes with the ones stored in tests/d
 
     python tests/digests.py            # compare with the stored digests (exit 1 on a change)
     python tests/digests.py --record   # store the digests of the current code
+    python tests/digests.py --record NAME ...   # store those configurations' digests, keep the others
 
 Bits of torch's CPU ops depend on the processor and the torch build, so the stored file names the
 machine it was recorded on (torch version, CPU model and flags) and the check says when it runs
@@ -54,7 +55,14 @@ CONFIGS: dict[str, tuple[int, str, list[str]]] = {
     "fedgam": (1, QUICKSTART, ["algorithm.name=fedgam"]),
     "fedgam_cv": (1, QUICKSTART, ["algorithm.name=fedgam_cv"]),
     "fedsmoo": (1, QUICKSTART, ["algorithm.name=fedsmoo"]),
+    # Poisson sampling (run.sampling = auto is poisson for DP-FedAvg) since it matches the accountant
     "dpfedavg": (1, QUICKSTART, ["algorithm.name=dpfedavg", "algorithm.dp_clip=1.0", "algorithm.dp_noise=0.5"]),
+    # the fixed-size sampling DP-FedAvg had before: the bits "dpfedavg" had then
+    "dpfedavg-fixed": (1, QUICKSTART, ["algorithm.name=dpfedavg", "algorithm.dp_clip=1.0", "algorithm.dp_noise=0.5",
+                                       "run.sampling=fixed", "algorithm.params.dp_accountant=rdp"]),
+    "dpfedmom-adaptive-cohort": (1, QUICKSTART, ["algorithm.name=dpfedmom", "algorithm.dp_clip=1.0",
+                                                 "algorithm.dp_noise=0.5", "algorithm.params.dp_adaptive_quantile=0.5",
+                                                 "algorithm.params.dp_noise_cohort=20"]),
     "adam-steplr": (1, QUICKSTART, ["train.optimizer=adam", "train.lr=0.001", "train.lr_schedule=steplr"]),
     "participation": (1, QUICKSTART, ["run.dropout=0.2", "train.local_work_min=1", "train.local_epochs=3",
                                       "run.deadline_steps=20"]),
@@ -125,6 +133,9 @@ def main(argv=None) -> int:
     here = machine()
     if args.record:
         git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+        if args.names:  # the named ones only: the others keep their stored digests
+            with open(STORE) as fh:
+                digests = {**json.load(fh)["digests"], **digests}
         stored = {"commit": git.stdout.strip(), "machine": here, "digests": digests}
         with open(STORE, "w") as fh:
             json.dump(stored, fh, indent=1, sort_keys=True)

@@ -144,7 +144,8 @@ def test_cuda_without_a_gpu_is_a_config_error(tmp_path):
 PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples", "fedgma": "samples",
                    "cgw": "samples", "feder": "uniform", "fedprox": "samples", "scaffold": "uniform",
                    "fednova": "samples", "moon": "samples", "fedsam": "uniform", "fedgam": "uniform",
-                   "fedgam_cv": "uniform", "fedsmoo": "uniform", "dpfedavg": "uniform", "fedadam": "samples"}
+                   "fedgam_cv": "uniform", "fedsmoo": "uniform", "dpfedavg": "uniform", "dpfedmom": "uniform",
+                   "fedadam": "samples"}
 
 
 def test_every_algorithm_has_a_paper_weighting():
@@ -157,12 +158,13 @@ def test_auto_weighting_resolves_to_the_papers(name):
     """weighting = auto (the default) is resolved at load time to the algorithm's own, so that
     config.toml and every consumer see samples or uniform; an explicit choice overrides it. Every
     algorithm used to get sample-count weights, which FedGAM's Alg. 1 and SCAFFOLD do not use."""
-    extra = {"feder": ["data.name=mnist", "model.name=cnn"], "dpfedavg": ["algorithm.dp_clip=1"]}.get(name, [])
+    extra = {"feder": ["data.name=mnist", "model.name=cnn"], "dpfedavg": ["algorithm.dp_clip=1"],
+             "dpfedmom": ["algorithm.dp_clip=1"]}.get(name, [])
     cfg = checks.load(None, [f"algorithm.name={name}", *extra])
     assert cfg.algorithm.weighting == PAPER_WEIGHTING[name]
     assert f'weighting = "{PAPER_WEIGHTING[name]}"' in config.dumps(cfg)
     # DP-FedAvg's clip bound holds for equal weights only (samples is refused: tests/test_federations.py)
-    for choice in ("uniform",) if name == "dpfedavg" else ("samples", "uniform"):
+    for choice in ("uniform",) if name.startswith("dp") else ("samples", "uniform"):
         assert checks.load(None, [f"algorithm.name={name}", f"algorithm.weighting={choice}",
                                   *extra]).algorithm.weighting == choice
 

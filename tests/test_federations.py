@@ -70,7 +70,10 @@ UNEVEN = ["run.rounds=4", "train.local_epochs=3", "train.local_work_min=1", "run
 
 
 def uneven(name: str) -> list[str]:
-    return UNEVEN + [f"algorithm.name={name}"] + (["algorithm.dp_clip=0.5"] if name == "dpfedavg" else [])
+    # fixed-size sampling, so every round samples 10 clients and the dropouts leave some (Poisson
+    # sampling's world-size invariance: tests/test_privacy.py)
+    dp = ["algorithm.dp_clip=0.5", "run.sampling=fixed", "algorithm.params.dp_accountant=rdp"]
+    return UNEVEN + [f"algorithm.name={name}"] + (dp if name == "dpfedavg" else [])
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +193,8 @@ def test_dp_clipping_bounds_every_clients_contribution(rule_form, num_sampled):
     assert (clipped_norms_K <= clip * (1 + 1e-6)).all()
     inside = updates_KP.norm(dim=1) <= clip
     assert inside.any() and (~inside).any() and (scale_K[inside] == 1).all()
-    new_P, state, diag = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, None), dp_hp(
-        dp_clip=clip, dp_noise=0.0))
+    hp = dp_hp(dp_clip=clip, dp_noise=0.0)
+    new_P, state, diag = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, hp), hp)
     K = len(scale_K)
     denominator = float(stacks["num_sampled"])
     twin = global_P.double().clone()
@@ -209,7 +212,7 @@ def test_dp_server_lr_scales_the_noised_step(rule_form, server_lr):
     """algorithm.server_lr is the server's step along the noised mean update (it was ignored):
     w + eta (sum_k s_k d_k + noise) / K, the same noise (post-processing: no privacy cost)."""
     global_P, stacks = dp_inputs(num_sampled=9)
-    state = dpfedavg.init_state(global_P, None)
+    state = dpfedavg.init_state(global_P, dp_hp(dp_clip=0.5))
     full_P, _, _ = dpfedavg.aggregate(global_P, stacks, state, dp_hp(dp_clip=0.5, dp_noise=1.0))
     new_P, _, _ = dpfedavg.aggregate(global_P, stacks, state, dp_hp(dp_clip=0.5, dp_noise=1.0,
                                                                     server_lr=server_lr))
@@ -219,8 +222,8 @@ def test_dp_server_lr_scales_the_noised_step(rule_form, server_lr):
 
 def test_dp_noise_has_std_z_c_over_k(rule_form):
     global_P, stacks = dp_inputs(num_clients=4, num_params=200_000, spread=(0.0, 0.0), num_sampled=8)
-    new_P, _, _ = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, None),
-                                     dp_hp(dp_clip=2.0, dp_noise=1.5))
+    hp = dp_hp(dp_clip=2.0, dp_noise=1.5)
+    new_P, _, _ = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, hp), hp)
     noise_P = (new_P - global_P).double()
     assert abs(noise_P.std().item() / (1.5 * 2.0 / 8) - 1) < 0.01
     assert abs(noise_P.mean().item()) < 0.01
@@ -229,18 +232,19 @@ def test_dp_noise_has_std_z_c_over_k(rule_form):
 def test_dp_neutral_setting_is_fedavg_bitwise(rule_form):
     global_P, stacks = dp_inputs(spread=(0.1, 2.0))
     fedavg, _, _ = strategies.get("fedavg").aggregate(global_P, stacks, {}, dp_hp())
-    dp, _, _ = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, None),
-                                  dp_hp(dp_clip=1e9, dp_noise=0.0))
+    hp = dp_hp(dp_clip=1e9, dp_noise=0.0)
+    dp, _, _ = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, hp), hp)
     assert torch.equal(dp, fedavg)
 
 
 @pytest.mark.e2e
 def test_dp_neutral_setting_is_fedavg_bitwise_end_to_end(tmp_path):
     fedavg = run_in_process(tmp_path / "a", "algorithm.name=fedavg", "algorithm.weighting=uniform")
+    fixed = ["run.sampling=fixed", "algorithm.params.dp_accountant=rdp"]  # FedAvg's sample
     neutral = run_in_process(tmp_path / "d", "algorithm.name=dpfedavg", "algorithm.dp_clip=1e9",
-                             "algorithm.dp_noise=0")
+                             "algorithm.dp_noise=0", *fixed)
     assert torch.equal(neutral, fedavg)
-    noisy = run_in_process(tmp_path / "n", "algorithm.name=dpfedavg", "algorithm.dp_clip=1")
+    noisy = run_in_process(tmp_path / "n", "algorithm.name=dpfedavg", "algorithm.dp_clip=1", *fixed)
     assert (noisy - fedavg).abs().max() > 1e-3  # the comparison can fail
 
 
@@ -248,7 +252,8 @@ def test_dp_neutral_setting_is_fedavg_bitwise_end_to_end(tmp_path):
 def test_dp_with_dropouts_resumes_exactly(tmp_path):
     """Guards against noise or accounting that restart with the process: the aggregation count
     that seeds the noise and feeds the accountant is server state, checkpointed."""
-    args = ["algorithm.name=dpfedavg", "algorithm.dp_clip=0.5", "run.dropout=0.3", "run.ckpt_every=2"]
+    args = ["algorithm.name=dpfedavg", "algorithm.dp_clip=0.5", "run.dropout=0.3", "run.ckpt_every=2",
+            "run.eval_every=1"]
     full = run_in_process(tmp_path / "full", *args, rounds=4)
     run_in_process(tmp_path / "part", *args, "run.stop_after=2", rounds=4)
     resumed = run_in_process(tmp_path / "part", *args, "run.resume=true", rounds=4)
@@ -278,12 +283,13 @@ def accountant_epsilon(noise, num_sampled, num_clients, steps, delta, sampling):
 @pytest.mark.e2e
 def test_reported_epsilon_is_the_accountants(tmp_path):
     """Every round's epsilon is dp-accounting's for K of N clients sampled without replacement
-    (what fedddp does), the noise multiplier and the aggregations so far (a round without
+    (what run.sampling = fixed does), the noise multiplier and the aggregations so far (a round without
     reports spends nothing), and never below the Poisson-sampling figure at q = K / N, which
     was reported before and understated the privacy spent."""
     out = tmp_path / "dp"
     run_in_process(out, "algorithm.name=dpfedavg", "algorithm.dp_clip=1.0", "algorithm.dp_noise=1.1",
-                   "algorithm.dp_delta=1e-4", "run.clients_per_round=2", "run.dropout=0.5", rounds=6)
+                   "algorithm.dp_delta=1e-4", "run.clients_per_round=2", "run.dropout=0.5", "run.sampling=fixed",
+                   "algorithm.params.dp_accountant=rdp", "run.eval_every=1", rounds=6)
     steps = 0
     lines = metrics(out)
     assert {m["num_reports"] == 0 for m in lines} == {True, False}

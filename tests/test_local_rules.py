@@ -508,7 +508,7 @@ def test_composition_runs_and_differs(tmp_path):
 
 
 # the algorithms whose server rule has a step for algorithm.server_lr to scale (docs/algorithms.md)
-TAKE_SERVER_LR = {"fedavg", "fedprox", "moon", "fedsam", "fedgam", "dpfedavg", "fedmom", "fedgma",
+TAKE_SERVER_LR = {"fedavg", "fedprox", "moon", "fedsam", "fedgam", "dpfedavg", "dpfedmom", "fedmom", "fedgma",
                   "scaffold", "fedgam_cv", "fednova"}
 
 
@@ -518,7 +518,7 @@ def test_server_lr_is_taken_or_refused_never_ignored(name):
     with a server step takes it (its twin checks how), one without refuses it in one line
     naming the key and the rule; 1, the default, is every rule's own."""
     overrides = [f"algorithm.name={name}", "algorithm.server_lr=0.5"]
-    overrides += ["algorithm.dp_clip=1"] if name == "dpfedavg" else []
+    overrides += ["algorithm.dp_clip=1"] if name.startswith("dp") else []
     overrides += ["data.name=mnist", "model.name=cnn"] if name == "feder" else []
     server = ALGORITHMS[name][1]
     assert strategies.get(server).takes_server_lr == (name in TAKE_SERVER_LR)

@@ -111,6 +111,22 @@ def test_every_baseline_must_be_beaten():
     assert "(within the spread)" in line and "vs strong 0.895" in line and "1 of 2" in line
 
 
+@pytest.mark.parametrize("cells, expected", [
+    ({"sim": (0.865, 0.01, 3), "real": (0.87, 0.005, 3)}, "**reproduced (matches)**"),
+    ({"sim": (0.84, 0.01, 3), "real": (0.87, 0.005, 3)}, "**not reproduced at this scale (differs)**"),
+    ({"sim": (0.90, 0.01, 3), "real": (0.87, 0.005, 3)}, "**not reproduced at this scale (differs)**"),
+])
+def test_match_rule(cells, expected):
+    """A match claim (a cheap run reaches what an expensive one does) holds when the means differ
+    by at most the larger std, in either direction; '# Match:' is one group ~ one group."""
+    table = [{"algorithm.name": n, "test_accuracy": c} for n, c in cells.items()]
+    line = results.match(table, ["algorithm.name"], "test_accuracy", {"name": "sim"}, {"name": "real"}, 3, "test")
+    assert line.startswith(expected) and "sim 0." in line and "~ real 0.870" in line
+    assert results.parse_match("name=sim&seed=0 ~ name=real", "x") == ({"name": "sim", "seed": "0"}, {"name": "real"})
+    with pytest.raises(results.ConfigError):
+        results.parse_match("name=sim, name=other ~ name=real", "x")
+
+
 @pytest.mark.processes
 def test_header_without_a_verdict_is_one_line(tmp_path):
     path = tmp_path / "bad.toml"

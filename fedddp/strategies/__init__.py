@@ -26,7 +26,10 @@ Static entries, fixed for the run and not client reports, added when a rule name
   param_mask_P     bool    [P]     True for parameters, False for buffers          (FedSMOO)
   num_clients      float32 []      N, all clients                       (SCAFFOLD, FedSMOO)
   client_momentum  float32 []      the clients' SGD momentum rho                    (FedNova)
-  num_sampled      float32 []      K as configured, whatever the number of reports (DP-FedAvg)
+  num_sampled      float32 []      K as configured (fixed-size sampling) or the expected cohort
+                                   q N (Poisson), whatever the number of reports    (DP-FedAvg)
+  sampling_rate    float64 []      q: K / N, or run.participation                   (DP-FedAvg)
+  poisson          bool    []      run.sampling is poisson                          (DP-FedAvg)
   noise_seed       int64   []      run.seed, for the server's noise                 (DP-FedAvg)
 
 ``state`` is a dict of tensors owned by rank 0 and checkpointed; ``init_state(global_P, hp)``

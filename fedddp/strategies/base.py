@@ -50,6 +50,14 @@ class Strategy:
     # ledger(state, static_stacks, hp) -> diagnostics describing the state itself, written every
     # round, also one without reports that leaves the state as it was (DP-FedAvg's epsilon)
     ledger: Callable[[State, Stacks, object], dict] | None = None
+    # spent(state, static_stacks, hp) -> the privacy spent so far, epsilon (DP-FedAvg): written as
+    # metrics.jsonl's epsilon on the rounds that evaluate and the last (an accountant may take
+    # seconds), also a round without reports
+    spent: Callable[[State, Stacks, object], float] | None = None
+    # a differentially private mechanism (DP-FedAvg): run.sampling = auto is poisson for it, and
+    # under Poisson sampling it aggregates every round, also one without reports (its noise is
+    # released whatever the cohort)
+    private: bool = False
     # the rule's own hyperparameters in [algorithm.params], name -> default (its type is the
     # type a given value must have; an int is taken for a float), read as hp.params[name]
     params: dict = dataclasses.field(default_factory=dict)
@@ -89,7 +97,7 @@ def plugin_form(strategy: Strategy, name: str) -> Strategy:
 
     return dataclasses.replace(strategy, name=name, aggregate=guarded(aggregate, "its aggregate"),
                                **{f: guarded(getattr(strategy, f), f"its {f}")
-                                  for f in ("init_state", "ledger", "check_params")})
+                                  for f in ("init_state", "ledger", "spent", "check_params")})
 
 
 def get(name: str) -> Strategy:

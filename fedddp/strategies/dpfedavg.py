@@ -1,69 +1,214 @@
 """DP-FedAvg (McMahan et al. 2018, "Learning differentially private recurrent language models"):
-client-level differential privacy for FedAvg.
+client-level differential privacy for FedAvg, with adaptive clipping (Andrew et al. 2021) and
+pfl-research's noise cohort as options; DP-FedMom is the same mechanism followed by FedMom's step.
 
   d_k = w_k - w,   s_k = min(1, C / ||d_k||)              each client's update clipped to L2 norm C
   w  <- w + eta (sum_k s_k d_k + N(0, (z C)^2 I)) / K     noise on the sum, fixed denominator
 
-K is the configured number of clients sampled per round (``num_sampled``), not the number of
-reports: with dropouts the denominator stays fixed, as the paper's estimator (qW) does, so one
-client moves the model by at most C / K. Weights are uniform (the bound needs equal weights).
-Computed as sum_k (s_k / K) w_k + (1 - sum_k s_k / K) w, so with every client reporting, none
-clipped and z = 0, the weights and the fused weighted mean are FedAvg's (uniform) bit for bit.
-eta = hp.server_lr is the server's step along the noised mean update, as for FedAvg (1, the
-paper's rule, leaves the bits as they are); it acts after the noise, so it costs no privacy.
+K is ``num_sampled``: with fixed-size sampling (run.sampling = fixed) the configured number of
+clients a round samples, with Poisson sampling the expected cohort q N (McMahan et al.'s
+fixed-denominator estimator, their qW), never the number of reports, so one client moves the
+model by at most C / K. Weights are uniform (the bound needs equal weights). Computed as
+sum_k (s_k / K) w_k + (1 - sum_k s_k / K) w, so with every client reporting, none clipped and
+z = 0, the weights and the fused weighted mean are FedAvg's (uniform) bit for bit. eta =
+hp.server_lr is the server's step along the noised mean update, as for FedAvg (1, the paper's
+rule, leaves the bits as they are); it acts after the noise, so it costs no privacy. Under
+Poisson sampling the mechanism runs every round, also one without reports (the noise alone
+moves the model), since "the model did not change" would reveal an empty cohort, an outcome the
+accountant's Poisson-subsampled Gaussian never releases.
 
-Privacy: ``epsilon`` (written every round, at ``hp.params["dp_delta"]``) is the RDP accountant's bound for
-the mechanism fedddp runs, from Google's dp-accounting (``pip install fedddp[dp]``):
-  - Sampling: exactly K of the N clients, uniformly without replacement (fedddp.sampling), so
-    every aggregation is SampledWithoutReplacementDpEvent(N, K, ...), whose RDP is the bound
-    of Wang, Balle and Kasiviswanathan (AISTATS 2019, Thm. 27). Poisson sampling at q = K / N
-    (Opacus's accountant, which fedddp used before) is a different mechanism: for the same
-    z, K, N and rounds its epsilon is smaller (by 2x or more wherever checked), a figure the
-    run does not have.
-  - Neighbouring relation: replace one (dp-accounting's REPLACE_ONE, the only one it offers
-    for this sampling). Two federations are neighbours when they have the same N clients
-    (N is public: it fixes the sampling) and one client's data differ arbitrarily.
-  - Sensitivity: replacing one client changes its clipped update from u to u' (both of norm
-    <= C), so the noised sum moves by ||u - u'|| <= 2C, not C. dp-accounting's RDP routine
-    for this event takes the Gaussian's noise multiplier as the noise std over that
-    l2-sensitivity (at K = N it returns alpha / (2 m^2), the Gaussian mechanism's RDP for
-    std m times the sensitivity), so the multiplier passed is z C / (2 C) = z / 2. Passing z
-    (as GaussianDpEvent's own docstring, std / C, would suggest; dp-accounting's PLD
-    accountant doubles the shift itself under REPLACE_ONE, its RDP accountant does not)
-    would understate epsilon: 29.0 instead of 113.1 for the quickstart's N = 30, K = 10,
-    z = 1, 40 rounds at delta = 1e-5 (Opacus's Poisson figure: 16.5).
-  - Steps: one per round that aggregated; a round without reports releases nothing. The
-    division by K and the server step are post-processing; dropouts (clients that do not
-    report, independently of their data) could only lower epsilon and are not credited.
+Adaptive clipping (``dp_adaptive_quantile`` gamma > 0; Andrew et al. 2021, "Differentially Private
+Learning with Adaptive Clipping", Alg. 1): C is server state (checkpointed; ``dp_clip`` is its
+start). Each round also releases the count of unclipped updates, centred as sum_k (b_k - 1/2)
+with b_k = [||d_k|| <= C], with Gaussian noise of std sigma_b (``dp_adaptive_count_noise``; 0:
+their m / 20), and moves C <- C exp(-eta_C (b~ - gamma)), b~ = that noised sum / K + 1/2 and eta_C
+= ``dp_adaptive_lr``. The two releases together are one Gaussian mechanism of multiplier z when
+the update's multiplier is z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (their Thm. 1: the count's
+sensitivity is 1/2 under add/remove; under replace-one both sensitivities double, 2C and 1, and
+the pair is still the multiplier z / 2 the fixed-size accountant is given), so epsilon is
+accounted at z as without it.
+
+Noise cohort (``dp_noise_cohort`` m > 0; pfl-research's ``noise_cohort_size``): the noise is
+calibrated as if m clients trained each round while K train: every noise std is scaled by K / m
+(pfl's ``noise_scale = cohort_size / noise_cohort_size``, which multiplies the accountant's noise
+parameter: pfl/privacy/privacy_accountant.py, ``cohort_noise_parameter``, and
+benchmarks/utils/argument_parsing.py, ``parse_mechanism``, in apple/pfl-research), so the noised
+mean has the noise std z C / m of a deployment with m clients a round; and epsilon is that
+deployment's: sampling m of the N clients (Poisson: q = m / N, pfl's ``max(cohort_size,
+noise_cohort_size) / population``). It is not the privacy of the simulation itself, which adds
+less noise; it holds only for a run with m clients a round.
+
+Privacy (``epsilon`` at ``hp.params["dp_delta"]``, from Google's dp-accounting, ``pip install
+fedddp[dp]``), one step per aggregation:
+  - Poisson sampling (run.sampling = poisson, the default for this rule): add/remove-one
+    neighbours, sensitivity C, so PoissonSampledDpEvent(q, GaussianDpEvent(z)); the
+    ``dp_accountant`` pld (default: dp-accounting's PLD accountant, a tight numerical bound) or
+    rdp (its RDP accountant, an upper bound, larger).
+  - Fixed-size sampling: exactly K of the N clients, uniformly without replacement
+    (fedddp.sampling), so every aggregation is SampledWithoutReplacementDpEvent(N, K, ...),
+    whose RDP is the bound of Wang, Balle and Kasiviswanathan (AISTATS 2019, Thm. 27), under
+    replace-one neighbours (dp-accounting's only relation for it; N is public: it fixes the
+    sampling). Replacing one client changes its clipped update from u to u' (both of norm
+    <= C), so the noised sum moves by ||u - u'|| <= 2C, not C: dp-accounting's RDP routine for
+    this event takes the Gaussian's multiplier as the noise std over that l2-sensitivity (at
+    K = N it returns alpha / (2 m^2), the Gaussian mechanism's RDP for std m times the
+    sensitivity), so the multiplier passed is z C / (2 C) = z / 2. Passing z would understate
+    epsilon: 29.0 instead of 113.1 for the quickstart's N = 30, K = 10, z = 1, 40 rounds at
+    delta = 1e-5. dp-accounting's PLD accountant has no event for this sampling: pld with
+    fixed-size sampling is refused (algorithms._check_dp).
+  - Steps: with fixed-size sampling one per round that aggregated (a round whose sampled
+    clients all dropped out releases nothing, and dropouts, independent of the data, are not
+    credited); with Poisson sampling one per round. The division by K and the server step (and
+    DP-FedMom's momentum) are post-processing.
   - The noise and the sample are drawn from run.seed: the guarantee holds for someone who does
     not know it.
-The one-step RDP curve depends on (z, K, N) only and is computed once per run (it takes a
-fraction of a second); T steps are T times it, converted to epsilon as the accountant does.
+One step's PLD (or RDP curve) depends on (z, q) (or (z, K, N)) only and is computed once per run;
+T steps are its T-fold composition, as the accountants compose them. PLD's composition takes
+0.1-4 s, so the runtime asks for epsilon on the rounds that evaluate (and the last), not every round.
 
 Composes with any local rule whose server rule this can replace (algorithm.local = plain,
 prox, sam, gam, moon); every other server rule is refused: they reweight, mask, normalise or
 carry state across clients' raw updates, which voids the C / K bound.
-Legend: K sampled clients that reported, P flat elements, N all clients.
+Legend: K sampled clients (or their expected number), P flat elements, N all clients.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import math
 
 import torch
 
 from ..sampling import _mix
-from ..params import at_least_zero
+from ..params import at_least_zero, in_unit, one_of, positive
 from .base import Strategy, register, server_step, weighted_mean_P
 
 _NOISE_STREAM = 0xD9_0153
+_COUNT_STREAM = 0xD9_C047
+ACCOUNTANTS = ("pld", "rdp")
+# dp-accounting's PLDAccountant default: the grid of privacy-loss values
+PLD_INTERVAL = 1e-4
 
 
 def clip_factors_K(updates_KP: torch.Tensor, clip: float) -> torch.Tensor:
     """s_k = min(1, C / ||d_k||) (float32; exactly 1.0 for a client within the bound)."""
-    norms_K = torch.linalg.vector_norm(updates_KP, dim=1, dtype=torch.float64)
-    return (clip / norms_K).clamp(max=1.0).to(updates_KP.dtype)
+    return _factors_K(torch.linalg.vector_norm(updates_KP, dim=1, dtype=torch.float64), clip, updates_KP.dtype)
+
+
+def _factors_K(norms_K: torch.Tensor, clip: float, dtype) -> torch.Tensor:
+    return (clip / norms_K).clamp(max=1.0).to(dtype)
+
+
+def calibration(params: dict, num_sampled: float) -> tuple[float, float, float]:
+    """(m, z_Delta, sigma_b): the cohort the noise is calibrated for (dp_noise_cohort, else K),
+    the update's noise multiplier and the count's noise std in that cohort. Without adaptive
+    clipping (or without noise) z_Delta = z and sigma_b = 0; with it sigma_b is
+    dp_adaptive_count_noise (0: Andrew et al.'s m / 20) and z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2),
+    which needs sigma_b > z / 2 (checked with the config)."""
+    z = params["dp_noise"]
+    cohort = params["dp_noise_cohort"] or num_sampled
+    if params["dp_adaptive_quantile"] <= 0 or z <= 0:
+        return cohort, z, 0.0
+    sigma_b = params["dp_adaptive_count_noise"] or cohort / 20
+    if not 2 * sigma_b > z:
+        raise ValueError(f"dp_adaptive_count_noise: sigma_b = {sigma_b:g} must exceed dp_noise / 2 = {z / 2:g}")
+    return cohort, (z ** -2 - (2 * sigma_b) ** -2) ** -0.5, sigma_b
+
+
+def init_state(global_P, hp):
+    return {"dp_steps": torch.zeros((), dtype=torch.float64),
+            "dp_clip": torch.tensor(float(hp.params["dp_clip"]), dtype=torch.float64)}
+
+
+def private_mean(global_P, stacks, state, hp):
+    """The mechanism: per-client clip factors from the update norms, the weighted sum of the
+    clipped updates over K, Gaussian noise, and (adaptive clipping) the next round's clip from
+    the noised count of unclipped updates. (the noised mean as a model, its state, diagnostics)."""
+    params_KP = stacks["params_KP"]
+    num_sampled = stacks["num_sampled"].to(params_KP.dtype)  # K, or the expected cohort q N
+    clip = float(state["dp_clip"]) if "dp_clip" in state else hp.params["dp_clip"]
+    norms_K = torch.linalg.vector_norm(params_KP - global_P, dim=1, dtype=torch.float64)
+    scale_K = _factors_K(norms_K, clip, params_KP.dtype)
+    share_K = torch.ones_like(scale_K) / num_sampled  # FedAvg's uniform weights when all report
+    # w's own weight 1 - sum_k s_k / K, as sums that are exactly 0 when every sampled client
+    # reported within the bound (so the neutral setting keeps FedAvg's bits); 1 without reports
+    stay = (share_K * (1 - scale_K)).sum() + (num_sampled - scale_K.shape[0]) / num_sampled
+    sum_P = weighted_mean_P(share_K * scale_K, params_KP) if scale_K.shape[0] else torch.zeros_like(global_P)
+    new_global_P = sum_P + stay * global_P
+    steps = state["dp_steps"] + 1
+    cohort, z_update, sigma_count = calibration(hp.params, float(stacks["num_sampled"]))
+    seed = int(stacks["noise_seed"])
+    if z_update > 0:
+        gen = torch.Generator(device=global_P.device).manual_seed(_mix(_NOISE_STREAM, seed, int(steps)))
+        noise_P = torch.randn(global_P.shape, generator=gen, device=global_P.device, dtype=global_P.dtype)
+        # std z C / m on the mean: m = K (the noise on the sum z C) or the noise cohort (z C K / m)
+        over = num_sampled if not hp.params["dp_noise_cohort"] else num_sampled.new_tensor(float(cohort))
+        new_global_P = new_global_P + noise_P * (z_update * clip / over)
+    diagnostics = {"clipped_fraction": (scale_K < 1).float().mean()}
+    next_clip = clip
+    if hp.params["dp_adaptive_quantile"] > 0:
+        centred = float((norms_K <= clip).sum()) - scale_K.shape[0] / 2  # sum_k (b_k - 1/2)
+        if sigma_count > 0:  # std sigma_b K / m: the deployment's sigma_b / m on the fraction
+            gen = torch.Generator().manual_seed(_mix(_COUNT_STREAM, seed, int(steps)))
+            centred += float(torch.randn((), generator=gen, dtype=torch.float64)) * sigma_count * float(
+                stacks["num_sampled"]) / cohort
+        below = centred / float(stacks["num_sampled"]) + 0.5  # b~, the noised fraction within C
+        next_clip = clip * math.exp(-hp.params["dp_adaptive_lr"] * (below - hp.params["dp_adaptive_quantile"]))
+        diagnostics["unclipped_fraction_noised"] = torch.tensor(below, dtype=torch.float64)
+    return new_global_P, {"dp_steps": steps, "dp_clip": torch.tensor(next_clip, dtype=torch.float64)}, diagnostics
+
+
+def aggregate(global_P, stacks, state, hp):
+    new_global_P, new_state, diagnostics = private_mean(global_P, stacks, state, hp)
+    return server_step(global_P, new_global_P, hp.server_lr), new_state, diagnostics
+
+
+def init_state_momentum(global_P, hp):
+    return init_state(global_P, hp) | {"previous_P": global_P.clone()}
+
+
+def aggregate_momentum(global_P, stacks, state, hp):
+    """DP-FedMom: FedMom's step (strategies/fedmom.py, its torch-op form) along the noised mean,
+    w_new = lerp(w, mean~, eta) + m (w - w_prev): post-processing of the released mean, so it is
+    accounted exactly as DP-FedAvg."""
+    target_P, new_state, diagnostics = private_mean(global_P, stacks, state, hp)
+    new_global_P = server_step(global_P, target_P, hp.server_lr).add_(
+        torch.sub(global_P, state["previous_P"]), alpha=float(hp.params["server_momentum"]))
+    diagnostics["velocity_norm"] = torch.linalg.vector_norm(new_global_P - global_P)
+    return new_global_P, new_state | {"previous_P": global_P}, diagnostics
+
+
+def ledger(state, static, hp):
+    """The clip the next round uses (moving with adaptive clipping), written every round."""
+    clip = state["dp_clip"] if "dp_clip" in state else torch.tensor(hp.params["dp_clip"], dtype=torch.float64)
+    return {"dp_clip": clip}
+
+
+def spent(state, static, hp) -> float:
+    """Epsilon at dp_delta after the aggregations so far, for the run's sampling (static: poisson,
+    sampling_rate q, num_sampled K, num_clients N) or, with a noise cohort m, for its deployment."""
+    p, steps, num_clients = hp.params, int(state["dp_steps"]), int(static["num_clients"])
+    if bool(static["poisson"]):
+        rate = p["dp_noise_cohort"] / num_clients if p["dp_noise_cohort"] else float(static["sampling_rate"])
+        return poisson_epsilon(p["dp_noise"], rate, steps, p["dp_delta"], p["dp_accountant"])
+    if p["dp_accountant"] != "rdp":
+        raise ValueError(f"dp_accountant {p['dp_accountant']} cannot account fixed-size sampling")
+    return epsilon(p["dp_noise"], p["dp_noise_cohort"] or int(static["num_sampled"]), num_clients, steps, p["dp_delta"])
+
+
+@contextlib.contextmanager
+def _quiet_accountant():
+    """dp-accounting's RDP routine logs (absl) every order it cannot evaluate and then leaves out:
+    a screenful of warnings on stderr per curve, none of which changes the bound."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 @functools.lru_cache(maxsize=4)
@@ -73,9 +218,26 @@ def _one_step_rdp(noise: float, num_sampled: int, num_clients: int):
     import dp_accounting  # late: an optional extra, imported only for DP runs
     accountant = dp_accounting.rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(
-        num_clients, num_sampled, dp_accounting.GaussianDpEvent(noise / 2)))
+    with _quiet_accountant():
+        accountant.compose(dp_accounting.SampledWithoutReplacementDpEvent(
+            num_clients, num_sampled, dp_accounting.GaussianDpEvent(noise / 2)))
     return accountant.orders, accountant.rdp
+
+
+@functools.lru_cache(maxsize=4)
+def _one_step_poisson(noise: float, rate: float, accountant: str):
+    """One aggregation under Poisson sampling at rate q, add/remove-one, multiplier z: its PLD
+    (what dp-accounting's PLDAccountant builds for PoissonSampledDpEvent(q, GaussianDpEvent(z)))
+    or its (orders, RDP)."""
+    import dp_accounting
+    if accountant == "pld":
+        return dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism(
+            standard_deviation=noise, value_discretization_interval=PLD_INTERVAL, sampling_prob=rate,
+            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+    rdp = dp_accounting.rdp.RdpAccountant()
+    with _quiet_accountant():
+        rdp.compose(dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(noise)))
+    return rdp.orders, rdp.rdp
 
 
 def epsilon(noise: float, num_sampled: int, num_clients: int, steps: int, delta: float) -> float:
@@ -93,55 +255,66 @@ def epsilon(noise: float, num_sampled: int, num_clients: int, steps: int, delta:
     return float(dp_accounting.rdp.compute_epsilon(orders, steps * rdp, delta)[0])
 
 
-def init_state(global_P, hp):
-    return {"dp_steps": torch.zeros((), dtype=torch.float64)}
-
-
-def aggregate(global_P, stacks, state, hp):
-    params_KP = stacks["params_KP"]
-    num_sampled = stacks["num_sampled"].to(params_KP.dtype)
-    scale_K = clip_factors_K(params_KP - global_P, hp.params["dp_clip"])
-    share_K = torch.ones_like(scale_K) / num_sampled  # FedAvg's uniform weights when all report
-    # w's own weight 1 - sum_k s_k / K, as sums that are exactly 0 when every sampled client
-    # reported within the bound (so the neutral setting keeps FedAvg's bits)
-    stay = (share_K * (1 - scale_K)).sum() + (num_sampled - scale_K.shape[0]) / num_sampled
-    new_global_P = weighted_mean_P(share_K * scale_K, params_KP) + stay * global_P
-    steps = state["dp_steps"] + 1
-    if hp.params["dp_noise"] > 0:
-        gen = torch.Generator(device=global_P.device).manual_seed(
-            _mix(_NOISE_STREAM, int(stacks["noise_seed"]), int(steps)))
-        noise_P = torch.randn(global_P.shape, generator=gen, device=global_P.device, dtype=global_P.dtype)
-        new_global_P = new_global_P + noise_P * (hp.params["dp_noise"] * hp.params["dp_clip"] / num_sampled)
-    new_global_P = server_step(global_P, new_global_P, hp.server_lr)
-    return new_global_P, {"dp_steps": steps}, {"clipped_fraction": (scale_K < 1).float().mean()}
-
-
-def ledger(state, static, hp):
-    """The privacy spent so far, written every round (a round without reports spends none)."""
-    eps = epsilon(hp.params["dp_noise"], int(static["num_sampled"]), int(static["num_clients"]),
-                  int(state["dp_steps"]), hp.params["dp_delta"])
-    return {"epsilon": torch.tensor(eps, dtype=torch.float64)}
+def poisson_epsilon(noise: float, rate: float, steps: int, delta: float, accountant: str = "pld") -> float:
+    """Epsilon at ``delta`` after ``steps`` aggregations of a Poisson sample at rate q = ``rate``
+    with noise multiplier z = ``noise``: what dp-accounting's PLDAccountant (``pld``) or
+    RdpAccountant (``rdp``), both add/remove-one, give for PoissonSampledDpEvent(q,
+    GaussianDpEvent(z)) composed ``steps`` times (the same one-step PLD self-composed, or RDP
+    curve multiplied, as they do)."""
+    if steps == 0:
+        return 0.0
+    if noise <= 0.0:
+        return math.inf
+    import dp_accounting
+    one = _one_step_poisson(float(noise), float(rate), accountant)
+    if accountant == "pld":
+        identity = dp_accounting.pld.privacy_loss_distribution.identity(value_discretization_interval=PLD_INTERVAL)
+        return float(identity.compose(one.self_compose(steps)).get_epsilon_for_delta(delta))
+    orders, rdp = one
+    return float(dp_accounting.rdp.compute_epsilon(orders, steps * rdp, delta)[0])
 
 
 # dp_clip's default 0 is no bound at all: a DP run names its clip (DP-FedAvg's C has no neutral value)
-PARAMS = {"dp_clip": 0.0, "dp_noise": 1.0, "dp_delta": 1e-5}
+PARAMS = {"dp_clip": 0.0, "dp_noise": 1.0, "dp_delta": 1e-5, "dp_accountant": "pld",
+          "dp_adaptive_quantile": 0.0, "dp_adaptive_lr": 0.2, "dp_adaptive_count_noise": 0.0,
+          "dp_noise_cohort": 0}
 PARAM_DOCS = {
-    "dp_clip": "DP-FedAvg: L2 norm C each client's update is clipped to; must be set > 0.",
+    "dp_clip": "DP-FedAvg: L2 norm C each client's update is clipped to (with adaptive clipping its "
+               "start); must be set > 0.",
     "dp_noise": "DP-FedAvg noise multiplier z: Gaussian noise of std z C on the sum of the clipped updates.",
-    "dp_delta": "DP-FedAvg: the delta at which metrics.jsonl's epsilon is given."}
+    "dp_delta": "DP-FedAvg: the delta at which metrics.jsonl's epsilon is given.",
+    "dp_accountant": "DP-FedAvg privacy accountant (dp-accounting): pld (privacy loss distributions, tight) "
+                     "or rdp (Renyi DP, an upper bound); run.sampling = fixed needs rdp.",
+    "dp_adaptive_quantile": "DP-FedAvg adaptive clipping (Andrew et al. 2021): the clip follows this quantile "
+                            "gamma of the update norms, C <- C exp(-eta_C (b - gamma)); 0: a fixed clip.",
+    "dp_adaptive_lr": "DP-FedAvg adaptive clipping: the clip's geometric step eta_C.",
+    "dp_adaptive_count_noise": "DP-FedAvg adaptive clipping: std sigma_b of the noise on the count of "
+                               "unclipped updates; 0: expected cohort / 20. Must exceed dp_noise / 2; the "
+                               "update's multiplier becomes (z^-2 - (2 sigma_b)^-2)^-1/2, total privacy as at z.",
+    "dp_noise_cohort": "DP-FedAvg noise cohort m (pfl-research's noise_cohort_size): noise calibrated, and "
+                       "epsilon accounted, as if m clients trained each round (m of N sampled); 0: off."}
 
 
 def check_params(params: dict) -> list[str]:
-    errors = at_least_zero(params, "dp_noise")
+    errors = at_least_zero(params, "dp_noise", "dp_adaptive_count_noise", "dp_noise_cohort")
+    errors += one_of(params, "dp_accountant", ACCOUNTANTS) + positive(params, "dp_adaptive_lr")
     if not params["dp_clip"] > 0:
         errors.append(f"algorithm.params.dp_clip: dpfedavg clips each client's update to this L2 norm; set it "
                       f"> 0, got {params['dp_clip']}")
     if not 0 < params["dp_delta"] < 1:
         errors.append(f"algorithm.params.dp_delta: must be in (0, 1), got {params['dp_delta']}")
+    if not 0 <= params["dp_adaptive_quantile"] < 1:
+        errors.append(f"algorithm.params.dp_adaptive_quantile: must be in [0, 1) (0: a fixed clip), got "
+                      f"{params['dp_adaptive_quantile']}")
     return errors
 
 
-DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger,
-                             needs=frozenset({"num_sampled", "num_clients", "noise_seed"}), doc=__doc__,
-                             takes_server_lr=True, params=PARAMS, check_params=check_params,
-                             param_docs=PARAM_DOCS))
+DP_NEEDS = frozenset({"num_sampled", "num_clients", "noise_seed", "sampling_rate", "poisson"})
+DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger, spent=spent,
+                             needs=DP_NEEDS, doc=__doc__, takes_server_lr=True, private=True, params=PARAMS,
+                             check_params=check_params, param_docs=PARAM_DOCS))
+DPFEDMOM = register(Strategy(
+    "dpfedmom", aggregate_momentum, init_state=init_state_momentum, ledger=ledger, spent=spent, needs=DP_NEEDS,
+    doc=__doc__, takes_server_lr=True, private=True, params=PARAMS | {"server_momentum": 0.9},
+    check_params=lambda params: check_params(params) + in_unit(params, "server_momentum"),
+    param_docs=PARAM_DOCS | {"server_momentum": "FedMom server momentum delta_m (0 gives FedAvg)."}))

@@ -16,7 +16,9 @@ with ``#`` and more than one space):
   # Summary:  fedddp.study.summary's arguments, e.g. --metric test_accuracy --at last --by algorithm.name
             (one table per Summary line; the verdict reads the first)
   # Verdict:  key=value[&key=value], ... vs key=value, ...  (the claimed groups, then the
-            baselines; keys as in the Summary's --by)
+            baselines; keys as in the Summary's --by; one or more lines, each judged on the first table)
+  # Match:    key=value[&key=value] ~ key=value[&key=value]  (optional, one or more: a claim that a
+            group reaches what a reference group does, e.g. a cheap simulation of an expensive run)
   # Figure:   fedddp.study.plot's arguments, e.g. --group-by run.mode --x sim_time_s (optional; the
             figure is drawn from the sweep's runs into figures/SWEEP.png beside the document,
             which shows it with its command; needs matplotlib)
@@ -24,7 +26,8 @@ with ``#`` and more than one space):
 The verdict rule (RULE below): a claimed group reproduces the claim when its mean is better than
 every baseline's mean by more than the larger of the two standard deviations; worse than some
 baseline by more than that is behind a baseline; anything else is within the seeds' spread. Better is
-higher, or lower for losses and errors (fedddp.study.summary.lower_is_better).
+higher, or lower for losses and errors (fedddp.study.summary.lower_is_better). A match (MATCH_RULE)
+reproduces when the two means differ by no more than the larger of the two standard deviations.
 
 A line ``<!-- written by hand below ... -->`` (KEPT) in the document and all that follows it are
 kept when the document is rewritten: a part about other runs (a figure, its commands) lives
@@ -58,7 +61,7 @@ from ..errors import ConfigError, UserError
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SWEEPS = "configs/sweeps/reduced"
 DOC = "docs/results.md"
-FIELDS = ("Paper", "Claim", "Reduced", "Hardware", "Prepare", "Summary", "Verdict", "Figure")
+FIELDS = ("Paper", "Claim", "Reduced", "Hardware", "Prepare", "Summary", "Verdict", "Match", "Figure")
 # This line and what follows it in the document are kept when the document is rewritten.
 KEPT = "<!-- written by hand below: python -m fedddp.study.results keeps this line and what follows -->"
 RULE = ("a claimed method reproduces the claim when its mean is better than every baseline's mean "
@@ -66,6 +69,9 @@ RULE = ("a claimed method reproduces the claim when its mean is better than ever
         "it is worse than some baseline by more than that, it is behind a baseline; otherwise the "
         "difference is within the seeds' spread; either of the last two is not reproduced at this scale. Better: higher accuracy, lower "
         "loss or error.")
+MATCH_RULE = ("a claimed match (a group reaching what a reference group does) reproduces when the two means "
+              "differ by no more than the larger of the two standard deviations; otherwise they differ, "
+              "which is not reproduced at this scale.")
 
 
 def header(path: str) -> dict[str, list[str]]:
@@ -112,6 +118,14 @@ def parse_verdict(text: str, where: str) -> tuple[list[dict], list[dict]]:
     if not sep:
         raise ConfigError(f"{where}: '# Verdict:' is 'CLAIMED, ... vs BASELINE, ...', got {text!r}")
     return parse_selectors(claimed, where), parse_selectors(baselines, where)
+
+
+def parse_match(text: str, where: str) -> tuple[dict, dict]:
+    claimed, sep, reference = text.partition(" ~ ")
+    groups = parse_selectors(claimed, where) + parse_selectors(reference, where) if sep else []
+    if len(groups) != 2:
+        raise ConfigError(f"{where}: '# Match:' is 'CLAIMED ~ REFERENCE' (one group each), got {text!r}")
+    return groups[0], groups[1]
 
 
 def summary_args(text: str, where: str) -> argparse.Namespace:
@@ -241,6 +255,24 @@ def verdict(rows: list[dict], keys: list[str], metric: str, claimed: list[dict],
     return lines
 
 
+def match(rows: list[dict], keys: list[str], metric: str, claimed: dict, reference: dict, digits: int,
+          where: str) -> str:
+    """One line: whether the claimed group reaches the reference group's mean (MATCH_RULE)."""
+    def find(selector):
+        found = [r for r in rows if matches(r, keys, selector)]
+        if len(found) != 1:
+            raise ConfigError(f"{where}: '# Match:' {label(selector)!r} matches {len(found)} rows of the table")
+        return found[0][metric]
+
+    mine, ref = find(claimed), find(reference)
+    versus = (f"{label(claimed)} {mine[0]:.{digits}f} ± {mine[1]:.{digits}f} ~ {label(reference)} "
+              f"{ref[0]:.{digits}f} ± {ref[1]:.{digits}f}")
+    if abs(mine[0] - ref[0]) <= max(mine[1], ref[1]):
+        return f"**reproduced (matches)**: {versus}; the means differ by no more than the larger std."
+    return (f"**not reproduced at this scale (differs)**: {versus}; the means differ by "
+            f"{abs(mine[0] - ref[0]):.{digits}f}, more than both stds.")
+
+
 def figure(text: str, out: str, name: str, doc_dir: str) -> tuple[list[str], list[str]]:
     """A '# Figure:' line: the plot of the sweep's runs (``out``) drawn into figures/NAME.png beside
     the document; (the document's lines: its command and the image, problems)."""
@@ -303,9 +335,12 @@ def section(path: str, fields: dict, made_at: str, data: str, doc_dir: str = "do
         rows = summary.summarise(kept, metrics, args.at, keys)
         lines += [summary.format_table(rows, keys, metrics, args.at, "md", args.digits).rstrip(), ""]
         if index == 0:
-            claimed, baselines = parse_verdict(fields["Verdict"][0], f"{rel}")
             lines += [f"Verdict ({metrics[0]}, {args.at}, mean ± std over the seeds):", ""]
-            lines += [f"- {v}" for v in verdict(rows, keys, metrics[0], claimed, baselines, args.digits, rel)]
+            for text in fields["Verdict"]:
+                claimed, baselines = parse_verdict(text, f"{rel}")
+                lines += [f"- {v}" for v in verdict(rows, keys, metrics[0], claimed, baselines, args.digits, rel)]
+            lines += [f"- {match(rows, keys, metrics[0], *parse_match(text, rel), args.digits, rel)}"
+                      for text in fields.get("Match", [])]
             lines.append("")
     for text in fields.get("Figure", []) if runs else []:
         part, bad = figure(text, out, os.path.splitext(os.path.basename(path))[0], doc_dir)
@@ -322,14 +357,15 @@ def write_doc(paths: list[str], doc: str, made_at: str, command: str, data: str)
              "and what replaces a data set that is not here; the full-scale sweeps are in "
              "`configs/sweeps/`. Cells are mean ± sample std (n runs) over the seeds "
              "`run.seed`, with `data.seed` fixed: the spread is training variation.", "",
-             f"**Verdict rule.** {RULE[0].upper()}{RULE[1:]}", ""]
+             f"**Verdict rule.** {RULE[0].upper()}{RULE[1:]} {MATCH_RULE[0].upper()}{MATCH_RULE[1:]}", ""]
     problems, sections, overview = [], [], []
     for path in paths:
         part, bad = section(path, header(path), made_at, data, os.path.dirname(os.path.abspath(doc)))
         sections += part
         problems += bad
         name = os.path.splitext(os.path.basename(path))[0]
-        overview += [f"- {name}: {line[2:].split(' vs ', 1)[0]}" for line in part if line.startswith("- **")]
+        overview += [f"- {name}: {line[2:].split(' vs ', 1)[0].split('; ', 1)[0]}" for line in part
+                     if line.startswith("- **")]
     lines += ["Verdicts at a glance (each against its baselines in its section):", ""] + overview + [""] + sections
     os.makedirs(os.path.dirname(os.path.abspath(doc)), exist_ok=True)
     atomic_write_text("\n".join(lines).rstrip() + "\n" + kept_part(doc), doc)
@@ -375,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         for p in paths:
             for text in fields[p]["Summary"]:
                 summary_args(text, f"{p}: '# Summary:'")
-            parse_verdict(fields[p]["Verdict"][0], p)
+            for text in fields[p]["Verdict"]:
+                parse_verdict(text, p)
+            for text in fields[p].get("Match", []):
+                parse_match(text, p)
             for line in fields[p].get("Prepare", []):
                 prepare_argv(line, p)
         failed = []
