@@ -320,6 +320,9 @@ def check(cfg) -> list[str]:
     if rc.parallel_clients not in (1, "auto"):  # auto is 1 in async mode (client/parallel.py)
         errors.append("run.parallel_clients: async mode trains each client from the model version it "
                       "started from, one after another; set run.parallel_clients=1 (or run.mode=sync)")
+    if rc.sampling == "poisson":
+        errors.append("run.sampling: async mode starts a client whenever a slot frees (run.async_concurrency), "
+                      "so there is no round's sample to draw; set run.sampling=auto (or run.mode=sync)")
     if rc.dropout > 0 or rc.deadline_steps > 0:
         errors.append("run.mode: async models slow clients by data.client_speed, not by run.dropout or "
                       "run.deadline_steps; set both to 0 (or run.mode=sync)")

@@ -602,6 +602,19 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     return run
 
 
+def _schedule_words(cfg) -> str:
+    """The start line's words on who trains when: K of N a round, Poisson sampling, or async."""
+    rc, n = cfg.run, cfg.data.num_clients
+    if rc.mode == "async":
+        staleness = (f"(1 + tau)^-{rc.async_staleness_exponent:g}" if rc.async_staleness == "polynomial"
+                     else "constant")
+        return (f"async (FedBuff): {asynchrony.concurrency(cfg)} of {n} clients training at once on the "
+                f"simulated clock, a server update every {rc.async_buffer} arrivals, staleness weight {staleness}")
+    if rc.sampling == "poisson":
+        return f"each of {n} clients a round with probability {cfg.sampling_rate():g} (Poisson sampling)"
+    return f"{cfg.num_sampled()} of {n} clients a round"
+
+
 # Rounds whose groups the start line's prediction for side by side on CPU covers.
 PREDICTED_ROUNDS = 5
 
@@ -805,7 +818,7 @@ class Book:
         form = strategies.kernels.describe(comm.device, rule=run.strategy.name)
         if rc.progress:
             print(f"fedddp: {comm.world_size} rank(s) on {comm.device.type}; {describe_algorithm(run.cfg)}; "
-                  f"aggregation: {form}; {run.clients_note}", file=sys.stderr, flush=True)
+                  f"{_schedule_words(run.cfg)}; aggregation: {form}; {run.clients_note}", file=sys.stderr, flush=True)
 
     def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
                     diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric, sync: bool) -> None:

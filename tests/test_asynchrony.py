@@ -209,6 +209,7 @@ def test_fedavg_over_buffered_rows_is_fedbuff(weighting, server_lr):
      "algorithm.name = fedmom has the fedmom server rule; async runs fedavg, fedgam, fedprox, fedsam, moon"),
     (["run.mode=async", "run.parallel_clients=2"], "run.parallel_clients: async mode trains each client"),
     (["run.mode=async", "run.dropout=0.1"], "not by run.dropout or run.deadline_steps"),
+    (["run.mode=async", "run.sampling=poisson"], "run.sampling: async mode starts a client whenever a slot frees"),
     (["run.mode=async", "run.async_buffer=31"], "run.async_buffer: must be in [1, data.num_clients = 30]"),
     (["run.mode=async", "run.async_concurrency=-1"], "run.async_concurrency: must be in [0, data.num_clients = 30]"),
     (["run.async_staleness=linear"], "run.async_staleness: 'linear' is not one of polynomial, constant"),
@@ -313,3 +314,16 @@ def test_async_same_bits_on_one_and_two_ranks(tmp_path):
         assert {c["rank"] for c in client_rows(two)} == {0, 1}
         assert all(math.isclose(a["test_loss"], b["test_loss"], rel_tol=1e-5) for a, b in
                    zip(metrics(one), metrics(two)) if a["test_loss"] is not None)
+
+
+@pytest.mark.parametrize("overrides,words", [
+    ([], "10 of 30 clients a round"),
+    (["algorithm.name=dpfedavg", "algorithm.params.dp_clip=1"],
+     "each of 30 clients a round with probability 0.333333 (Poisson sampling)"),
+    (["run.mode=async", "run.async_buffer=4"], "async (FedBuff): 10 of 30 clients training at once on the simulated "
+     "clock, a server update every 4 arrivals, staleness weight (1 + tau)^-0.5"),
+])
+def test_the_start_line_says_who_trains_when(overrides, words):
+    from fedddp import round as round_module
+    cfg = checks.load(os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.toml"), overrides)
+    assert round_module._schedule_words(cfg) == words
