@@ -54,7 +54,7 @@ import math
 import torch
 
 from ..sampling import _mix
-from .base import Strategy, register, server_step, weighted_mean_P
+from .base import Span, Strategy, block_width, register, server_step, weighted_mean_P
 
 _NOISE_STREAM = 0xD9_0153
 
@@ -63,6 +63,15 @@ def clip_factors_K(updates_KP: torch.Tensor, clip: float) -> torch.Tensor:
     """s_k = min(1, C / ||d_k||) (float32; exactly 1.0 for a client within the bound)."""
     norms_K = torch.linalg.vector_norm(updates_KP, dim=1, dtype=torch.float64)
     return (clip / norms_K).clamp(max=1.0).to(updates_KP.dtype)
+
+
+def update_norms_K(params_KP: torch.Tensor, global_P: torch.Tensor, span: Span) -> torch.Tensor:
+    """||w_k - w|| over the whole vector, float64: per block the norm of the block's d_k, whose
+    squares are added over every block in block order (Span.total), then the square root. One
+    block gives the norm of the whole d_k itself (sqrt(x * x) is x in binary floating point)."""
+    rows = [torch.linalg.vector_norm(params_KP[:, b] - global_P[b], dim=1, dtype=torch.float64).square()
+            for b in span.blocks]
+    return span.total(rows, params_KP.shape[0]).sqrt()
 
 
 @functools.lru_cache(maxsize=4)
@@ -96,23 +105,55 @@ def init_state(global_P, hp):
     return {"dp_steps": torch.zeros((), dtype=torch.float64)}
 
 
+def _noise_P(numel: int, like: torch.Tensor, stacks, hp, steps):
+    """The server's noise N(0, 1) for the whole vector [P], from (run.seed, aggregation count):
+    the sharded form draws it whole on every rank too and takes its columns, so its bits do not
+    depend on the ranks (None without noise)."""
+    if not hp.dp_noise > 0:
+        return None
+    gen = torch.Generator(device=like.device).manual_seed(_mix(_NOISE_STREAM, int(stacks["noise_seed"]), int(steps)))
+    return torch.randn((numel,), generator=gen, device=like.device, dtype=like.dtype)
+
+
+def _shares(stacks, scale_K):
+    """(s_k / K, w's own weight 1 - sum_k s_k / K): sums that are exactly 0 when every sampled
+    client reported within the bound (so the neutral setting keeps FedAvg's bits)."""
+    num_sampled = stacks["num_sampled"].to(scale_K.dtype)
+    share_K = torch.ones_like(scale_K) / num_sampled  # FedAvg's uniform weights when all report
+    stay = (share_K * (1 - scale_K)).sum() + (num_sampled - scale_K.shape[0]) / num_sampled
+    return share_K * scale_K, stay, num_sampled
+
+
 def aggregate(global_P, stacks, state, hp):
     params_KP = stacks["params_KP"]
-    num_sampled = stacks["num_sampled"].to(params_KP.dtype)
-    scale_K = clip_factors_K(params_KP - global_P, hp.dp_clip)
-    share_K = torch.ones_like(scale_K) / num_sampled  # FedAvg's uniform weights when all report
-    # w's own weight 1 - sum_k s_k / K, as sums that are exactly 0 when every sampled client
-    # reported within the bound (so the neutral setting keeps FedAvg's bits)
-    stay = (share_K * (1 - scale_K)).sum() + (num_sampled - scale_K.shape[0]) / num_sampled
-    new_global_P = weighted_mean_P(share_K * scale_K, params_KP) + stay * global_P
+    span = Span.whole(global_P.shape[0], block_width(stacks, global_P.shape[0]), global_P.device)
+    scale_K = (hp.dp_clip / update_norms_K(params_KP, global_P, span)).clamp(max=1.0).to(params_KP.dtype)
+    weights_K, stay, num_sampled = _shares(stacks, scale_K)
+    new_global_P = weighted_mean_P(weights_K, params_KP) + stay * global_P
     steps = state["dp_steps"] + 1
-    if hp.dp_noise > 0:
-        gen = torch.Generator(device=global_P.device).manual_seed(
-            _mix(_NOISE_STREAM, int(stacks["noise_seed"]), int(steps)))
-        noise_P = torch.randn(global_P.shape, generator=gen, device=global_P.device, dtype=global_P.dtype)
+    noise_P = _noise_P(global_P.shape[0], global_P, stacks, hp, steps)
+    if noise_P is not None:
         new_global_P = new_global_P + noise_P * (hp.dp_noise * hp.dp_clip / num_sampled)
     new_global_P = server_step(global_P, new_global_P, hp.server_lr)
     return new_global_P, {"dp_steps": steps}, {"clipped_fraction": (scale_K < 1).float().mean()}
+
+
+def aggregate_span(global_P, stacks, state, hp, span):
+    """Clip norms over every rank's blocks, then block by block over this rank's range with its
+    columns of the whole noise vector (Strategy.aggregate_span)."""
+    params_KP = stacks["params_KP"]
+    scale_K = (hp.dp_clip / update_norms_K(params_KP, global_P, span)).clamp(max=1.0).to(params_KP.dtype)
+    weights_K, stay, num_sampled = _shares(stacks, scale_K)
+    steps = state["dp_steps"] + 1
+    noise_P = _noise_P(span.numel, global_P, stacks, hp, steps)
+    new_P = torch.empty_like(global_P)
+    for b in span.blocks:
+        new_B = weighted_mean_P(weights_K, params_KP[:, b]) + stay * global_P[b]
+        if noise_P is not None:
+            cols = slice(span.start + b.start, span.start + b.stop)
+            new_B = new_B + noise_P[cols] * (hp.dp_noise * hp.dp_clip / num_sampled)
+        new_P[b] = server_step(global_P[b], new_B, hp.server_lr)
+    return new_P, {"dp_steps": steps}, {"clipped_fraction": (scale_K < 1).float().mean()}
 
 
 def ledger(state, static, hp):
@@ -123,5 +164,5 @@ def ledger(state, static, hp):
 
 
 DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger,
-                             needs=frozenset({"num_sampled", "num_clients", "noise_seed"}), doc=__doc__,
-                             takes_server_lr=True))
+                             needs=frozenset({"num_sampled", "num_clients", "noise_seed", "aggregation_block"}),
+                             doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span))
