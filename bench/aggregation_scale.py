@@ -21,8 +21,8 @@ exchanged point to point, the rule on each rank's range, ranges all-gathered). C
                over ranks. On CUDA the device's max_memory_allocated above what was allocated.
   rss MiB      rank 0's VmHWM itself, everything counted (torch, the model, its report rows)
   sent/recv    MiB per round that rank 0 and the busiest rank sent and received through the
-               collectives, as their algorithms move them (fedddp.comm.Comm.traffic; gloo's
-               gather and broadcast go from and to the root directly)
+               collectives, as gloo's algorithms move them (fedddp.comm.Comm.traffic: its
+               gather goes straight to the root, its broadcast down a binomial tree)
   written MiB  rank 0's bytes written through system calls in the second round (/proc/self/io
                wchar: gloo's socket sends), a check of its "sent"
   round s      the second round's time from the trained rows to the new model on every rank

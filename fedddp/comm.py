@@ -77,8 +77,8 @@ class Comm:
         self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
                                    timeout_s) if self.distributed and self.world_size > 1 else None
         # Bytes this rank has sent and received through gather_rows, broadcast_ and exchange, as
-        # their algorithms move them (gloo's gather and broadcast send from and to the root
-        # directly); bench/aggregation_scale.py reads them
+        # gloo's algorithms move them (gather: straight to the root; broadcast: a binomial tree);
+        # bench/aggregation_scale.py reads them
         self.traffic = {"sent": 0, "received": 0}
 
     @property
@@ -105,9 +105,12 @@ class Comm:
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.distributed:
             dist.broadcast(tensor, src)
-            size = tensor.numel() * tensor.element_size()
-            self.traffic["sent" if self.rank == src else "received"] += size * (self.world_size - 1 if self.rank == src
-                                                                                else 1)
+            # gloo's broadcast is a binomial tree: relative rank v receives once and sends to
+            # v + 2^j for every 2^j above its highest bit (the root: ceil(log2 W) sends)
+            size, v = tensor.numel() * tensor.element_size(), (self.rank - src) % self.world_size
+            sends = sum(1 for j in range(v.bit_length(), self.world_size.bit_length()) if v + (1 << j) < self.world_size)
+            self.traffic["sent"] += sends * size
+            self.traffic["received"] += size if v else 0
         return tensor
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:

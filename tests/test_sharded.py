@@ -319,3 +319,18 @@ def test_aggregation_block_must_be_a_multiple_of_64(tmp_path):
     assert any("run.aggregation_block" in e for e in config.check_fields(cfg))
     assert "run.aggregation" in config.RESUME_MAY_CHANGE and "run.aggregation_block" not in config.RESUME_MAY_CHANGE
 
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_the_benchmark_runs(tmp_path):
+    """bench/aggregation_scale.py --smoke: a tiny model on 1 and 2 ranks, both modes, one row each."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "aggregation_scale.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split(" | ")[:3] for row in rows] == [["| 1", "4", "gather"], ["| 1", "4", "sharded"],
+                                                      ["| 2", "4", "gather"], ["| 2", "4", "sharded"]]
