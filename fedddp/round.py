@@ -28,9 +28,9 @@ from .data.build import BUILT_WHOLE
 from .errors import ConfigError, DataError, DivergenceError, PluginError, UserError
 from .flat import FlatLayout
 from .registry import resolve
-from .sharded import ShardedServer
 from .sampling import (assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, owner,
                        sample_clients, travelling)
+from .sharded import ShardedServer
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
 VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"),
@@ -568,8 +568,8 @@ def _aggregate_ranges(run: Setup, comm, round_idx: int, rows_KX, reported: list[
     cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     try:
         if reported:
-            stacks, diagnostics = run.sharded.aggregate(run.strategy, run.global_P, rows_KX, run.state, cfg.algorithm)
-            run.state = run.sharded.pending[1]
+            stacks, run.state, diagnostics = run.sharded.aggregate(run.strategy, run.global_P, rows_KX, run.state,
+                                                                   cfg.algorithm)
             train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
         if comm.is_main and run.strategy.ledger is not None:
             diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))

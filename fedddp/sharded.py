@@ -164,15 +164,16 @@ class ShardedServer:
         return rows_KX, reported
 
     def aggregate(self, strategy: Strategy, global_P: torch.Tensor, rows_KX: torch.Tensor, state: dict, hp):
-        """The rule on this rank's range: (its stacks, diagnostics); the new range and state wait
-        in ``pending`` for ``publish``. Client-visible entries reach the rule cut to the range."""
+        """The rule on this rank's range: (its stacks, the new state, diagnostics); the new range
+        (and the state's client-visible ranges) wait in ``pending`` for ``publish``. Client-visible
+        entries reach the rule cut to the range."""
         stacks = self.mine.unpack(rows_KX) | self.static
         view = {k: v[self.start:self.stop] if k in self.visible and v.shape[0] == self.numel else v
                 for k, v in state.items()}
         new_range, new_state, diagnostics = strategy.aggregate_span(global_P[self.start:self.stop], stacks, view, hp,
                                                                     self.span)
         self.pending = (new_range, new_state)
-        return stacks, diagnostics
+        return stacks, new_state, diagnostics
 
     def publish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The pending ranges all-gathered: (the new [P] model, the new state, client-visible

@@ -307,9 +307,18 @@ def test_a_plugin_rule_without_a_range_form_runs_gathered_and_says_so(tmp_path):
     assert "gathered on rank 0 (the server rule examples.my_plugin:TRIMMED_MEAN has no sharded form)" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_the_start_line_names_the_blocks(tmp_path, capsys):
     run_here(BASE + ["run.rounds=1", "run.aggregation=sharded", "run.progress=true", f"run.out_dir={tmp_path}"])
     assert "aggregation: sharded over 1 rank(s), 10 block(s) of 64 columns; " in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_divergence_stops_a_sharded_run_with_status_4(tmp_path, capsys):
+    """The ranges' verdict (not finite, or the train loss) ends the run as in the gathered path."""
+    status = run_here(BASE + ["run.rounds=3", "model.name=mlp", "train.lr=3", "run.aggregation=sharded",
+                              f"run.out_dir={tmp_path}"], check=False)
+    assert status == 4 and "the run diverged" in capsys.readouterr().err
 
 
 def test_aggregation_block_must_be_a_multiple_of_64(tmp_path):
