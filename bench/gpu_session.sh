@@ -7,7 +7,8 @@
 # run by fedddp at B = 1 and B = 50 and by pfl, alternating (bench/peers/pfl_cifar10.py, 30
 # rounds x 2 repeats, about 2 minutes). Each step's output goes to $OUT/NAME.log (default
 # gpu_out/); a failing step is reported and the next one runs. Eight files in all, the most a
-# lease returns from $OUT.
+# lease returns from $OUT. Not in the default list: STEPS=aggregation_scale, gathered against
+# sharded aggregation on one GPU (bench/aggregation_scale.py; NCCL needs one GPU per rank).
 #
 #   bash bench/gpu_session.sh [DATA_ROOT [WHEELS]]
 #
@@ -60,6 +61,7 @@ step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_k
     tests/test_strategies.py -k "cuda"
 step gpu_checks 120 python3 bench/gpu_checks.py --device cuda
 step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
+step aggregation_scale 120 python3 bench/aggregation_scale.py --device cuda --ranks 1 --clients 8 32 64
 step parallel_clients 180 python3 bench/parallel_clients.py --device cuda
 step round_vs_loop 120 python3 bench/round_vs_loop.py --data-root "$root"
 for B in 1 100; do  # the runs' folders stay out of $OUT (a lease returns few files); their metrics join the log

@@ -5,6 +5,8 @@ Layout under ``out_dir/checkpoints/``:
   round_000010/server.pt          rank 0: round, global_P, server state, RNG state, the simulated
                                   clock (async mode: its training clients and their model versions)
   round_000010/clients_rank1.pt   rank r: the persistent state of the clients rank r owns
+  round_000010/server_rank1.pt    rank r, run.aggregation = sharded: its range of the server
+                                  state's [P] entries that clients do not see (fedddp.sharded)
   round_000010/manifest.json      rank 0, written last: round, world size, run identity, and
                                   every file of the checkpoint with its size and CRC-32
   LATEST                          the name of the newest round folder written (a hint for
@@ -21,7 +23,9 @@ damaged bits; the manifest's sizes catch truncation. It guards against accidents
 someone forging a checkpoint.
 
 Client shards are keyed by client id, so a run may resume on a different number of ranks: each
-rank reads every shard the manifest lists and keeps the clients it owns. The run identity is
+rank reads every shard the manifest lists and keeps the clients it owns. Server shards carry
+their columns [start, stop) of the flat vector: a resume reads them into whatever columns it
+needs (its own range, or the whole vector for a gathered run), on any number of ranks. The run identity is
 every config key that decides the run's bits (all but ``config.RESUME_MAY_CHANGE``); a resume
 whose identity differs is refused. Everything is loaded with ``weights_only=True``.
 """
@@ -45,7 +49,7 @@ from .errors import DataError, os_error_in
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 _ROUND = re.compile(r"round_(\d+)")
-_FILE = re.compile(r"server\.pt|clients_rank\d+\.pt")
+_FILE = re.compile(r"server\.pt|clients_rank\d+\.pt|server_rank\d+\.pt")
 
 
 def round_dir(ckpt_root: str, round_idx: int) -> str:
@@ -137,49 +141,58 @@ def _flat_tables(keys: dict) -> dict:
 
 
 def save(comm, ckpt_root: str, round_idx: int, server: dict | None,
-         clients: dict[int, dict[str, torch.Tensor]], identity: dict | None = None, keep: int = 2) -> str:
+         clients: dict[int, dict[str, torch.Tensor]], identity: dict | None = None, keep: int = 2,
+         server_shard: dict | None = None) -> str:
     """Every rank calls this. ``server`` is rank 0's payload (None elsewhere). Returns the folder."""
-    return complete(comm, write_files(comm, ckpt_root, round_idx, server, clients, identity), keep)
+    return complete(comm, write_files(comm, ckpt_root, round_idx, server, clients, identity, server_shard), keep)
 
 
 def write_files(comm, ckpt_root: str, round_idx: int, server: dict | None,
-                clients: dict[int, dict[str, torch.Tensor]], identity: dict | None = None) -> dict:
+                clients: dict[int, dict[str, torch.Tensor]], identity: dict | None = None,
+                server_shard: dict | None = None) -> dict:
     """The first half of ``save``: every rank's files of the round, but no manifest yet, so the
     folder is not complete. Returns what ``complete`` needs (the manifest on rank 0). The round
-    loop writes the round's metrics rows between the two halves."""
+    loop writes the round's metrics rows between the two halves. ``server_shard`` (every rank, or
+    none): this rank's {"start", "stop", "numel", "state"} of the server state's ranged entries."""
     folder = round_dir(ckpt_root, round_idx)
     os.makedirs(folder, exist_ok=True)
     if comm.is_main:
         # Rewriting a round (after resuming from an older one): not complete until the new manifest.
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, MANIFEST))
-    # Row r: rank r's failure (errno, or -1) and its shard's size and CRC-32. One all-reduce
-    # brings every rank's entry to rank 0, tells every rank whether any failed, and is the
-    # barrier before the manifest. Both numbers are below 2**53, exact in float64.
-    entry_R3 = torch.zeros(comm.world_size, 3, dtype=torch.float64, device=comm.device)
+    # Row r: rank r's failure (errno, or -1), its client shard's size and CRC-32, and its server
+    # shard's. One all-reduce brings every rank's entry to rank 0, tells every rank whether any
+    # failed, and is the barrier before the manifest. The numbers are below 2**53, exact in float64.
+    entry_R5 = torch.zeros(comm.world_size, 5, dtype=torch.float64, device=comm.device)
     error = None
     try:
         shard = atomic_save({int(c): s for c, s in clients.items()},
                             os.path.join(folder, f"clients_rank{comm.rank}.pt"))
-        entry_R3[comm.rank, 1:] = torch.tensor([shard["size"], shard["crc32"]], dtype=torch.float64)
+        entry_R5[comm.rank, 1:3] = torch.tensor([shard["size"], shard["crc32"]], dtype=torch.float64)
+        if server_shard is not None:
+            part = atomic_save(server_shard, os.path.join(folder, f"server_rank{comm.rank}.pt"))
+            entry_R5[comm.rank, 3:] = torch.tensor([part["size"], part["crc32"]], dtype=torch.float64)
         if comm.is_main:
             files = {"server.pt": atomic_save(server, os.path.join(folder, "server.pt"))}
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others know
         error = exc
-        entry_R3[comm.rank, 0] = getattr(os_error_in(exc), "errno", None) or -1
-    comm.all_reduce_sum_(entry_R3)
+        entry_R5[comm.rank, 0] = getattr(os_error_in(exc), "errno", None) or -1
+    comm.all_reduce_sum_(entry_R5)
     if error is not None:
         raise error
-    failed = entry_R3[:, 0].nonzero().flatten().tolist()
+    failed = entry_R5[:, 0].nonzero().flatten().tolist()
     if failed:
-        code = int(entry_R3[failed[0], 0].item())
+        code = int(entry_R5[failed[0], 0].item())
         if code > 0:
             raise OSError(code, f"{os.strerror(code)} (rank {failed[0]}, writing its part of {folder})")
         raise RuntimeError(f"rank {failed[0]} could not write its part of {folder}")
     manifest = None
     if comm.is_main:
         for r in range(comm.world_size):
-            files[f"clients_rank{r}.pt"] = {"size": int(entry_R3[r, 1].item()), "crc32": int(entry_R3[r, 2].item())}
+            files[f"clients_rank{r}.pt"] = {"size": int(entry_R5[r, 1].item()), "crc32": int(entry_R5[r, 2].item())}
+            if server_shard is not None:
+                files[f"server_rank{r}.pt"] = {"size": int(entry_R5[r, 3].item()),
+                                               "crc32": int(entry_R5[r, 4].item())}
         manifest = {"round": round_idx, "world_size": comm.world_size, "identity": identity or {}, "files": files}
     return {"root": ckpt_root, "folder": folder, "round": round_idx, "manifest": manifest}
 
@@ -226,7 +239,9 @@ def _read_manifest(folder: str) -> tuple[dict | None, str | None]:
         ok = (isinstance(manifest["round"], int) and isinstance(manifest["identity"], dict)
               and all(_FILE.fullmatch(n) and isinstance(e["size"], int) and isinstance(e["crc32"], int)
                       for n, e in files.items())
-              and {"server.pt", *(f"clients_rank{r}.pt" for r in range(world))} == set(files))
+              and set(files) - {f"server_rank{r}.pt" for r in range(world)}
+              == {"server.pt", *(f"clients_rank{r}.pt" for r in range(world))}
+              and len({n for n in files if n.startswith("server_rank")}) in (0, world))
     except FileNotFoundError:
         return None, "no manifest (its save did not finish)"
     except (OSError, ValueError, KeyError, TypeError):
@@ -269,9 +284,11 @@ def latest(ckpt_root: str) -> str | None:
     return newest_complete(ckpt_root)[0]
 
 
-def load(folder: str, owned: set[int], device) -> tuple[dict, dict[int, dict[str, torch.Tensor]]]:
+def load(folder: str, owned: set[int], device,
+         columns: tuple[int, int] | None = None) -> tuple[dict, dict[int, dict[str, torch.Tensor]]]:
     """The server payload and the states of the ``owned`` clients, from the files the manifest
-    lists (each checked again: the folder was verified by rank 0, maybe on another node)."""
+    lists (each checked again: the folder was verified by rank 0, maybe on another node). A
+    sharded run's server shards join the payload's state cut to ``columns`` (None: whole)."""
     manifest, why = _read_manifest(folder)
     if manifest is None:
         raise DataError(f"checkpoint {folder}: {why}; resume again to fall back to an older round")
@@ -284,9 +301,29 @@ def load(folder: str, owned: set[int], device) -> tuple[dict, dict[int, dict[str
         return torch.load(path, map_location=device, weights_only=True)
 
     server = read("server.pt")
+    shards = [f"server_rank{r}.pt" for r in range(manifest["world_size"]) if f"server_rank{r}.pt" in manifest["files"]]
+    if shards:
+        server["state"] = dict(server["state"]) | _columns_of(read, shards, columns)
     clients: dict[int, dict[str, torch.Tensor]] = {}
     for r in range(manifest["world_size"]):
         for cid, state in read(f"clients_rank{r}.pt").items():
             if cid in owned:
                 clients[cid] = state
     return server, clients
+
+
+def _columns_of(read, names: list[str], columns: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """The ranged state entries over ``columns`` (None: the whole vector), from server shards that
+    each hold [start, stop) of them: one shard read at a time, only its overlap kept."""
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        part = read(name)
+        start, stop = part["start"], part["stop"]
+        c0, c1 = columns if columns is not None else (0, part["numel"])
+        lo, hi = max(start, c0), min(stop, c1)
+        for key, range_n in part["state"].items():
+            if key not in out:
+                out[key] = torch.empty(c1 - c0, dtype=range_n.dtype, device=range_n.device)
+            if hi > lo:
+                out[key][lo - c0:hi - c0] = range_n[lo - start:hi - start]
+    return out

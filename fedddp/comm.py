@@ -76,6 +76,10 @@ class Comm:
                     f"every rank, with the same MASTER_ADDR and MASTER_PORT") from None
         self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
                                    timeout_s) if self.distributed and self.world_size > 1 else None
+        # Bytes this rank has sent and received through gather_rows, broadcast_ and exchange, as
+        # gloo's algorithms move them (gather: straight to the root; broadcast: a binomial tree);
+        # bench/aggregation_scale.py reads them
+        self.traffic = {"sent": 0, "received": 0}
 
     @property
     def is_main(self) -> bool:
@@ -89,16 +93,41 @@ class Comm:
         if not self.distributed or self.world_size == 1:  # one rank (e.g. torchrun --nproc_per_node=1)
             return rows_MX
         rows_MX = rows_MX.contiguous()
+        size = rows_MX.numel() * rows_MX.element_size()
         if self.is_main:
             dist.gather(rows_MX, list(out_RMX.chunk(self.world_size)), dst=0)
+            self.traffic["received"] += (self.world_size - 1) * size
             return out_RMX
         dist.gather(rows_MX, None, dst=0)
+        self.traffic["sent"] += size
         return None
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.distributed:
             dist.broadcast(tensor, src)
+            # gloo's broadcast is a binomial tree: relative rank v receives once and sends to
+            # v + 2^j for every 2^j above its highest bit (the root: ceil(log2 W) sends)
+            size, v = tensor.numel() * tensor.element_size(), (self.rank - src) % self.world_size
+            sends = sum(1 for j in range(v.bit_length(), self.world_size.bit_length()) if v + (1 << j) < self.world_size)
+            self.traffic["sent"] += sends * size
+            self.traffic["received"] += size if v else 0
         return tensor
+
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """Point to point, all posted at once, then waited for: each ``(peer, tensor)`` of ``sends``
+        to that rank, each of ``recvs`` filled from that rank (contiguous tensors, none to or from
+        this rank itself). Between two ranks the tensors pair up in the order given: the sender's
+        sends to a rank with the receiver's receives from it. The sharded server's all-to-all of
+        report columns and its all-gathers (gloo has no all_to_all): each tensor crosses once,
+        straight from the rank that has it to the rank that needs it, without packing copies."""
+        if not self.distributed or not (sends or recvs):
+            return
+        ops = ([dist.P2POp(dist.isend, t, peer) for peer, t in sends]
+               + [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs])
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self.traffic["sent"] += sum(t.numel() * t.element_size() for _, t in sends)
+        self.traffic["received"] += sum(t.numel() * t.element_size() for _, t in recvs)
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:

@@ -114,6 +114,18 @@ class RunConfig:
                                              "FedBuff's experiments use a = 0.5), or constant 1.",
                                ("polynomial", "constant"))
     async_staleness_exponent: float = opt(0.5, "Async mode: a in the polynomial staleness weight (1 + tau)^-a.")
+    aggregation: str = opt("gather", "Where the server rule runs. gather: every report row to rank 0, which runs "
+                                     "the rule over [K, F] and broadcasts the model. sharded: the flat vector is "
+                                     "cut into fixed blocks (run.aggregation_block), each rank receives the "
+                                     "columns of its contiguous range of blocks from all K clients, runs the "
+                                     "rule there and the ranges are all-gathered: the same bits as gather on "
+                                     "any number of ranks, 1/W of the reports' memory per rank "
+                                     "(docs/architecture.md, \"The sharded server\").", ("gather", "sharded"))
+    aggregation_block: int = opt(65536, "Columns per block of the flat vector (a multiple of 64). Sums over the "
+                                        "whole vector (CGW's dot products and norms, DP-FedAvg's clip norms) run "
+                                        "per block, then over the blocks in block order, in both aggregation "
+                                        "modes; run.aggregation = sharded gives each rank whole blocks.")
+
 
 
 # Keys whose "auto" is resolved when a run starts (run.parallel_clients: from the device, or the
@@ -129,12 +141,12 @@ def same_setting(key: str, recorded: Any, configured: Any) -> bool:
 
 
 # Keys that may differ between a checkpoint and the run that resumes from it: they do not decide
-# the bits of any round (how many rounds, what is logged or saved, where and how state is kept).
-# Every other key, and nothing about the world size, makes up a checkpoint's run identity.
+# the bits of any round (how many rounds, what is logged or saved, where and how state is kept, and
+# where the server rule runs: gather and sharded give the same bits). Every other key, and nothing about the world size, makes up a checkpoint's run identity.
 RESUME_MAY_CHANGE = frozenset({
     "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.tensorboard", "run.stop_after",
     "run.resume", "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root",
-    "data.download", "data.path"})
+    "data.download", "data.path", "run.aggregation"})
 
 
 @dataclass
@@ -498,6 +510,8 @@ def check_fields(cfg: Config) -> list[str]:
             errors.append(f"{path}: must be > 0, got {value}")
         elif value < 0:
             errors.append(f"{path}: must be >= 0, got {value}")
+    if cfg.run.aggregation_block <= 0 or cfg.run.aggregation_block % 64:
+        errors.append(f"run.aggregation_block: must be a positive multiple of 64, got {cfg.run.aggregation_block}")
     if not 0.0 <= cfg.data.holdout_from_test < 1.0:
         errors.append(f"data.holdout_from_test: must be in [0, 1), got {cfg.data.holdout_from_test}")
     if not 0.0 <= cfg.run.participation <= 1.0:

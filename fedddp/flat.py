@@ -142,3 +142,11 @@ def runs_R3(group_P: torch.Tensor) -> torch.Tensor:
     values_R, lengths_R = torch.unique_consecutive(group_P, return_counts=True)
     stops_R = lengths_R.cumsum(0)
     return torch.stack([stops_R - lengths_R, stops_R, values_R], dim=1)
+
+
+def runs_within(runs_R3: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The runs of ``runs_R3`` cut to the columns [start, stop) and counted from ``start``: the
+    runs of a range of the flat vector (empty runs dropped)."""
+    cut_R3 = runs_R3.clone()
+    cut_R3[:, :2] = runs_R3[:, :2].clamp(start, stop) - start
+    return cut_R3[cut_R3[:, 1] > cut_R3[:, 0]]

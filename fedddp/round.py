@@ -30,6 +30,7 @@ from .flat import FlatLayout
 from .registry import resolve
 from .sampling import (assign_clients, assign_groups, client_seed, expected_cost, layout_rows, owned_clients, owner,
                        sample_clients, sample_poisson, travelling)
+from .sharded import ShardedServer
 
 # Report fields: (stack name, per-client key in the report, size in floats given P and L).
 VECTOR_FIELDS = (("last_grad_KP", "last_grad_P"), ("full_grad_KP", "full_grad_P"),
@@ -382,6 +383,7 @@ class Setup:
     versions: dict[int, torch.Tensor] | None = None  # async: the model versions training clients started from
     # a private rule under Poisson sampling aggregates every round, also one without reports
     every_round: bool = False
+    sharded: ShardedServer | None = None   # run.aggregation = sharded, for a rule with a range form
 
 
 def _run(cfg: config.Config, comm, resume_round: int) -> dict:
@@ -582,18 +584,22 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         raise ConfigError(f"data.client_speed: {exc}") from None
     if rc.mode == "async":
         run.clock, run.versions = asynchrony.Clock(), {}
+    if rc.aggregation == "sharded" and strategy.aggregate_span is not None:
+        run.sharded = ShardedServer(comm, run.report, layout.numel, rc.aggregation_block, strategy, run.static, device)
+        run.state = run.sharded.adopt(run.state)
 
     if resume_round:
         run.last_ckpt = checkpoint.round_dir(run.ckpt_root, resume_round)
+        columns = (run.sharded.start, run.sharded.stop) if run.sharded is not None else None
         try:
-            saved, saved_clients = checkpoint.load(run.last_ckpt, set(owned), device)
+            saved, saved_clients = checkpoint.load(run.last_ckpt, set(owned), device, columns)
         except DataError as exc:
             error = exc
         _agree_on_failure(comm, error, "the checkpoint")
         client_states.restore(saved_clients)
         del saved_clients
         global_P.copy_(saved["global_P"])
-        run.state = saved["state"]
+        run.state = saved["state"] if run.sharded is None else run.sharded.cut_state(saved["state"])
         run.start_round = int(saved["round"]) + 1
         _restore_clock(run, comm, saved)
     if comm.is_main and rc.progress and device.type == "cpu" and rc.parallel_clients > 1:
@@ -663,7 +669,7 @@ def _report_rows(run: Setup, comm, rows_per_rank: int) -> torch.Tensor:
         device, width = comm.device, run.report.width
         run.rows_buffer = torch.empty(rows_per_rank, width, device=device)
         run.gather_buffer = torch.empty(comm.world_size * rows_per_rank, width, device=device) \
-            if comm.is_main and comm.world_size > 1 else None
+            if comm.is_main and comm.world_size > 1 and run.sharded is None else None
     return run.rows_buffer[:rows_per_rank]
 
 
@@ -704,7 +710,14 @@ def train_clients(run: Setup, comm, plan: RoundPlan, rows_MF: torch.Tensor) -> N
 def gather_reports(run: Setup, comm, plan: RoundPlan, rows_MF: torch.Tensor):
     """All ranks' rows to rank 0, in client-id order, less the rows of the clients past the
     deadline: (rows_KF, the reporting clients, each rank's training seconds); on other ranks
-    (None, the reporting clients, None)."""
+    (None, the reporting clients, None). Sharded: every rank gets the rows cut to its range
+    (sharded.ShardedServer.exchange), [K, X], and the reported clients."""
+    if run.sharded is not None:
+        rows_KX, reported = run.sharded.exchange(plan, rows_MF)
+        if not comm.is_main:
+            return rows_KX, reported, None
+        train_time_K = run.sharded.mine.unpack(rows_KX)["train_time_K"]  # stragglers' 0 s left out
+        return rows_KX, reported, _per_rank_seconds(train_time_K, reported, plan.per_rank)
     gathered = run.gather_buffer[:comm.world_size * plan.rows_per_rank] if run.gather_buffer is not None else None
     rows_KF = comm.gather_rows(rows_MF, gathered)
     if not comm.is_main:
@@ -725,7 +738,10 @@ def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int], re
     every rank learns whether the run diverged: a non-finite model or loss ends the run before
     this round writes anything. ``reporting``: the round evaluates (every run.eval_every rounds
     and the last), so the privacy spent is written with its accuracy. Returns (diagnostics, train
-    loss, stacks) on rank 0."""
+    loss, stacks) on rank 0.
+    Sharded: the rule on every rank's range (``_aggregate_ranges``)."""
+    if run.sharded is not None:
+        return _aggregate_ranges(run, comm, round_idx, rows_KF, reported)
     cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     if comm.is_main:
         try:
@@ -749,8 +765,41 @@ def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int], re
     return diagnostics, train_loss, stacks
 
 
+def _aggregate_ranges(run: Setup, comm, round_idx: int, rows_KX, reported: list[int]):
+    """``aggregate`` of a sharded run: every rank runs the rule's range form on its columns (the
+    new range waits for ``broadcast_model``); the train loss, from every client's scalars, is
+    the same on every rank. One all-reduce tells rank 0 whether any rank's range is not finite
+    or its plugin rule raised; rank 0's verdict then reaches every rank."""
+    cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
+    try:
+        if reported:
+            stacks, run.state, diagnostics = run.sharded.aggregate(run.strategy, run.global_P, rows_KX, run.state,
+                                                                   cfg.algorithm)
+            train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
+        if comm.is_main and run.strategy.ledger is not None:
+            diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))
+    except PluginError as exc:  # a plugin rule's own failure: this rank says it, every rank ends
+        error = exc
+    flags = torch.tensor([float(error is not None), float(not run.sharded.range_finite())], dtype=torch.float64,
+                         device=comm.device)
+    comm.all_reduce_sum_(flags)
+    if comm.is_main and error is None:
+        if flags[0].item() > 0:
+            error = PluginError(f"algorithm.name: the server rule {run.strategy.name} raised on another rank "
+                                "(see its message)")
+        elif flags[1].item() > 0 or not (train_loss is None or math.isfinite(train_loss)):
+            error = _diverged(cfg, round_idx, train_loss, None, run.last_ckpt, model_finite=flags[1].item() == 0)
+    _agree_with_rank_zero(comm, error)
+    return diagnostics, train_loss, stacks
+
+
 def broadcast_model(run: Setup, comm) -> None:
-    """The new global model, and the server state clients must see (SCAFFOLD's c), to every rank."""
+    """The new global model, and the server state clients must see (SCAFFOLD's c), to every rank.
+    Sharded: every rank's new range, all-gathered (a round without reports has none)."""
+    if run.sharded is not None:
+        if run.sharded.pending is not None:
+            run.global_P, run.state = run.sharded.publish()
+        return
     run.global_P = run.global_P.contiguous()
     comm.broadcast_(run.global_P)
     for key in run.strategy.client_visible:
@@ -778,13 +827,15 @@ def checkpoint_files(run: Setup, comm, round_idx: int, stopping: bool):
     rc = run.cfg.run
     if not stopping and (not rc.ckpt_every or round_idx % rc.ckpt_every):
         return None
-    server = {"round": round_idx, "global_P": run.global_P.cpu(), "state": {k: v.cpu() for k, v in run.state.items()},
+    # sharded: every rank's range of the ranged state entries in a file of its own
+    state, shard = run.sharded.checkpoint_parts(run.state) if run.sharded is not None else (run.state, None)
+    server = {"round": round_idx, "global_P": run.global_P.cpu(), "state": {k: v.cpu() for k, v in state.items()},
               "torch_rng": torch.get_rng_state(), "sim_time_s": run.sim_time_s} if comm.is_main else None
     if comm.is_main and run.clock is not None:  # async: the clock, its training clients and their versions
         server["async"] = asynchrony.saved(run.clock, run.versions)
     with outdir.disk_full_is_one_line(f"the checkpoint of round {round_idx}", run.ckpt_root, run.last_ckpt):
         return checkpoint.write_files(comm, run.ckpt_root, round_idx, server, run.client_states,
-                                      checkpoint.identity(run.cfg))
+                                      checkpoint.identity(run.cfg), server_shard=shard)
 
 
 def complete_checkpoint(run: Setup, comm, round_idx: int, written) -> None:
@@ -816,6 +867,10 @@ class Book:
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
         # out; the line says which form of the rules produced this run's bits.
         form = strategies.kernels.describe(comm.device, rule=run.strategy.name)
+        if run.sharded is not None:
+            form = f"{run.sharded.describe()}; {form}"
+        elif rc.aggregation == "sharded":
+            form = f"gathered on rank 0 (the server rule {run.strategy.name} has no sharded form); {form}"
         if rc.progress:
             print(f"fedddp: {comm.world_size} rank(s) on {comm.device.type}; {describe_algorithm(run.cfg)}; "
                   f"{_schedule_words(run.cfg)}; aggregation: {form}; {run.clients_note}", file=sys.stderr, flush=True)
@@ -894,7 +949,8 @@ def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[st
     """Stacks that are not client reports but fixed for the run: conv_runs_R3 (FedER),
     param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO, DP-FedAvg),
     client_momentum (FedNova's rho), num_sampled (K, or the expected cohort q N under Poisson
-    sampling), sampling_rate (q), poisson and noise_seed (DP-FedAvg)."""
+    sampling), sampling_rate (q), poisson and noise_seed (DP-FedAvg), aggregation_block (CGW,
+    DP-FedAvg: the block width of their sums over the whole vector)."""
     static = {}
     if "conv_runs_R3" in needs:
         static["conv_runs_R3"] = layout.conv_runs_R3().to(device)
@@ -912,6 +968,8 @@ def _static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[st
         static["poisson"] = torch.tensor(cfg.run.sampling == "poisson")
     if "noise_seed" in needs:
         static["noise_seed"] = torch.tensor(cfg.run.seed, dtype=torch.int64)
+    if "aggregation_block" in needs:
+        static["aggregation_block"] = torch.tensor(cfg.run.aggregation_block, dtype=torch.int64)
     return static
 
 
@@ -923,9 +981,11 @@ def _per_rank_seconds(train_time_K: torch.Tensor, sampled: list[int], per_rank: 
     return seconds
 
 
-def _diverged(cfg: config.Config, round_idx: int, train_loss: float, global_P: torch.Tensor,
-              last_ckpt: str | None) -> DivergenceError:
-    what = "the global model" if not bool(torch.isfinite(global_P).all()) else "the training loss"
+def _diverged(cfg: config.Config, round_idx: int, train_loss: float, global_P: torch.Tensor | None,
+              last_ckpt: str | None, model_finite: bool | None = None) -> DivergenceError:
+    if model_finite is None:
+        model_finite = bool(torch.isfinite(global_P).all())
+    what = "the global model" if not model_finite else "the training loss"
     saved = f"last checkpoint {last_ckpt}" if last_ckpt else "no checkpoint yet"
     return DivergenceError(
         f"round {round_idx}: the run diverged: {what} is not finite (train loss {train_loss}); stopped "

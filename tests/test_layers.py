@@ -16,7 +16,7 @@ PACKAGE = os.path.join(REPO, "fedddp")
 # Lowest first. A module (or a subpackage, with everything in it) imports only from its own layer
 # or below, never a cycle; docs/architecture.md shows the same table.
 LAYERS = [
-    ["errors", "registry", "params", "atomic", "flat", "sampling", "tasks", "env"],  # ground: names and helpers
+    ["errors", "registry", "params", "atomic", "flat", "blocks", "sampling", "tasks", "env"],  # ground: names and helpers
     ["plugins", "comm", "outdir"],          # importing user modules, collectives, the run folder
     ["config"],                             # the typed config tree and its own fields' checks
     ["data", "models", "metrics", "participation", "asynchrony"],
@@ -26,6 +26,7 @@ LAYERS = [
     ["checks"],                             # loading a config: plugins registered, every check
     ["checkpoint"],
     ["logs"],
+    ["sharded"],                            # the sharded server: ranges, their exchange and all-gather
     ["round"],                              # the round loop
     ["api"],
     ["__main__"],

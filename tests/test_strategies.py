@@ -565,7 +565,7 @@ def test_rules_accept_strided_views_of_the_gather_buffer(name):
 def test_rules_are_registered_with_their_needs(name):
     strategy = strategies.get(name)
     expected = {"fedmom": set(), "fedcong": set(), "fedgma": {"last_grad_KP"},
-                "cgw": {"full_grad_KP", "full_loss_K"}, "feder": {"eff_rank_KL", "conv_runs_R3"}}[name]
+                "cgw": {"full_grad_KP", "full_loss_K", "aggregation_block"}, "feder": {"eff_rank_KL", "conv_runs_R3"}}[name]
     assert set(strategy.needs) == expected
     global_P, stacks = make_inputs(3, 20, 0)
     kept = {k: v for k, v in stacks.items() if k in strategies.ALWAYS | strategy.needs}

@@ -31,6 +31,9 @@ Static entries, fixed for the run and not client reports, added when a rule name
   sampling_rate    float64 []      q: K / N, or run.participation                   (DP-FedAvg)
   poisson          bool    []      run.sampling is poisson                          (DP-FedAvg)
   noise_seed       int64   []      run.seed, for the server's noise                 (DP-FedAvg)
+  aggregation_block int64  []      run.aggregation_block: columns per block; sums over the whole
+                                   vector run per block, then over blocks in block order
+                                   (Span.total; absent: one block)            (CGW, DP-FedAvg)
 
 ``state`` is a dict of tensors owned by rank 0 and checkpointed; ``init_state(global_P, hp)``
 makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``; a rule's own hyperparameters
@@ -38,10 +41,17 @@ are ``hp.params`` (``[algorithm.params]``), declared with their defaults in ``pa
 checked by ``check_params``. ``diagnostics`` is a dict of
 tensors: scalars, which go to metrics.jsonl, and per-client rows named by their shape (``_K``,
 ``_KL``; rows in the stacks' client-id order), which go to clients.jsonl (fedddp.logs).
+
+With run.aggregation = sharded a rule runs on every rank over that rank's range of whole blocks
+of the flat vector: ``aggregate_span(global_P, stacks, state, hp, span)``, the same function of
+each column's inputs, walked block by block, its sums over the whole vector per block and then
+over every rank's blocks in block order (``Span``; docs/architecture.md, "The sharded server").
+A rule without it runs gathered on rank 0.
 """
 
-from .base import (ALWAYS, AggregateFn, SERVER_RULES, Stacks, State, Strategy, client_weights_K,  # noqa: F401
-                   column_block, get, min_agreeing, plugin_form, register, server_step, weighted_mean_P)
+from .base import (ALWAYS, AggregateFn, SERVER_RULES, Span, Stacks, State, Strategy, block_width,  # noqa: F401
+                   client_weights_K, column_block, get, min_agreeing, plugin_form, register, server_step,
+                   weighted_mean_P)
 from . import kernels  # noqa: F401
 
 # Registration of the built-in rules: each module registers itself on import.

@@ -12,12 +12,65 @@ from typing import Callable
 import torch
 
 from .. import plugins
+from ..blocks import block_slices
 from ..registry import SERVER_RULES, weighting_of
 from . import kernels
 
 Stacks = dict[str, torch.Tensor]
 State = dict[str, torch.Tensor]
 AggregateFn = Callable[[torch.Tensor, Stacks, State, object], tuple[torch.Tensor, State, dict]]
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass(frozen=True)
+class Span:
+    """The columns [start, stop) of the flat vector that one rank aggregates: whole blocks of
+    ``width`` columns (fedddp.blocks), the rank's range in a sharded round (run.aggregation =
+    sharded), or the whole vector in one process. A rule's ``aggregate_span`` works on it block by
+    block (``blocks``): each block sees the same inputs on any number of ranks (its columns of
+    every client, in client-id order, and the global sums), so its outputs are the same bits. A
+    sum over the whole vector is one float64 row per block, added over every rank's blocks in
+    block order (``total``); ``gather_vector`` makes a range the whole vector on every rank."""
+
+    start: int
+    stop: int
+    numel: int                    # P: the whole vector
+    width: int                    # columns per block
+    device: torch.device
+    # [b, X] rows of this rank's blocks -> [NB, X] rows of every block, in block order
+    gather_blocks: Callable[[torch.Tensor], torch.Tensor] = _same
+    # [stop - start] this range -> [P] the whole vector, on every rank
+    gather_vector: Callable[[torch.Tensor], torch.Tensor] = _same
+
+    @staticmethod
+    def whole(numel: int, width: int, device) -> "Span":
+        """Every block in this process: the gathered form's sums, in the same block order."""
+        return Span(0, numel, numel, width, torch.device(device))
+
+    @property
+    def blocks(self) -> list[slice]:
+        """The range's blocks as slices of its columns (counted from ``start``), in order."""
+        return block_slices(self.start, self.stop, self.width)
+
+    def total(self, rows: list[torch.Tensor], size: int) -> torch.Tensor:
+        """sum over the vector's blocks of a float64 row [size] each: this rank's ``rows`` (one per
+        block of ``blocks``, in order) with the other ranks', added in block order as one running
+        sum (row 0, plus row 1, ...; torch.cumsum on the CPU), whatever the rank of a block."""
+        mine = (torch.stack([r.to(torch.float64).reshape(size) for r in rows]) if rows else
+                torch.zeros(0, size, dtype=torch.float64, device=self.device))
+        every = self.gather_blocks(mine.to(self.device)).cpu()
+        return torch.cumsum(every, 0)[-1].to(self.device)
+
+
+def block_width(stacks: Stacks, numel: int) -> int:
+    """The run's block width (the static ``aggregation_block``), or one block of the whole vector
+    for a caller that passes none (tests, benchmarks): the sums of a gathered rule then run in
+    one piece."""
+    width = stacks.get("aggregation_block")
+    return int(width) if width is not None else max(numel, 1)
 
 ALWAYS = frozenset({"params_KP", "num_samples_K", "train_loss_K"})
 
@@ -68,6 +121,14 @@ class Strategy:
     # the rule reads hp.server_lr (it has a server step for it to scale); otherwise a value
     # other than 1 is a configuration error rather than silently ignored
     takes_server_lr: bool = False
+    # The rule on one rank's range of the flat vector (run.aggregation = sharded), called on every
+    # rank: aggregate_span(global_P, stacks, state, hp, span) -> (new range, new state,
+    # diagnostics). global_P, the [K, P] stacks, param_mask_P and the state's [P] entries are cut
+    # to the span's columns (conv_runs_R3 counted from its start); a client-visible entry may come
+    # back whole ([P], e.g. after span.gather_vector), any other [P] entry as its range; the
+    # diagnostics are the whole round's, the same on every rank. None: the rule cannot work on a
+    # range and runs gathered on rank 0 (the start line says so).
+    aggregate_span: Callable | None = None
 
     def needs_for(self, hp) -> frozenset[str]:
         return self.needs_fn(hp) if self.needs_fn is not None else self.needs
@@ -95,7 +156,13 @@ def plugin_form(strategy: Strategy, name: str) -> Strategy:
         with kernels.forced("torch"):
             return strategy.aggregate(global_P, stacks, state, hp)
 
+    def aggregate_span(global_P, stacks, state, hp, span):
+        with kernels.forced("torch"):
+            return strategy.aggregate_span(global_P, stacks, state, hp, span)
+
+    span_form = guarded(aggregate_span, "its aggregate_span") if strategy.aggregate_span is not None else None
     return dataclasses.replace(strategy, name=name, aggregate=guarded(aggregate, "its aggregate"),
+                               aggregate_span=span_form,
                                **{f: guarded(getattr(strategy, f), f"its {f}")
                                   for f in ("init_state", "ledger", "spent", "check_params")})
 

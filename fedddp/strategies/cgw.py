@@ -33,7 +33,7 @@ import torch
 
 from . import kernels
 from ..params import at_least_zero
-from .base import Strategy, client_weights_K, column_block, register, weighted_mean_P
+from .base import Span, Strategy, block_width, client_weights_K, column_block, register, weighted_mean_P
 
 # x_k outside [2^-100, 2^100] (a gradient norm far from 1) is applied in float64: float32 would
 # overflow, or lose digits to subnormals, in x_k although x_k D_k itself is bounded by c.
@@ -78,12 +78,28 @@ def norms_and_agreement_K(grads_KP: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return sq_norm_K, m_K
 
 
-def aggregate(global_P, stacks, state, hp):
-    params_KP, grads_KP = stacks["params_KP"], stacks["full_grad_KP"]
+def global_stats_K(grads_KP: torch.Tensor, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||D_k||^2, m_k) over the whole vector: float64 per block (norms_and_agreement_K: D's
+    columns of the block summed over clients), added over every block in block order, so the
+    bits do not depend on which rank held a block. One block: the one call over every column."""
+    num_clients = grads_KP.shape[0]
+    rows = [torch.cat(norms_and_agreement_K(grads_KP[:, b])) for b in span.blocks]
+    total = span.total(rows, 2 * num_clients)
+    return total[:num_clients], total[num_clients:]
+
+
+def _weights(stacks, hp, span: Span):
+    """x_K and the round's diagnostics from the global statistics (the same on every rank)."""
     weights_K = client_weights_K(stacks, hp)
-    sq_norm_K, m_K = norms_and_agreement_K(grads_KP)
-    x_K, c, num_zero = corrective_weights_K(sq_norm_K, m_K, stacks["full_loss_K"],
-                                            float(hp.params["cgw_alpha"]))
+    sq_norm_K, m_K = global_stats_K(stacks["full_grad_KP"], span)
+    x_K, c, num_zero = corrective_weights_K(sq_norm_K, m_K, stacks["full_loss_K"], float(hp.params["cgw_alpha"]))
+    diagnostics = {"cgw_x_K": x_K, "cgw_weight_K": weights_K.double(), "cgw_grad_norm_K": sq_norm_K.sqrt(),
+                   "cgw_c": c, "cgw_zero_grad_clients": num_zero.double()}
+    return weights_K, x_K, diagnostics
+
+
+def _columns(params_KP, grads_KP, weights_K, x_K):
+    """sum_k p_k w_k - sum_k x_k D_k over the given columns."""
     size_K = x_K.abs()
     scaled_K = (size_K > FLOAT32_SAFE_X) | ((size_K < 1.0 / FLOAT32_SAFE_X) & (size_K > 0))
     x32_K = torch.where(scaled_K, 0.0, x_K).to(params_KP.dtype)
@@ -98,12 +114,28 @@ def aggregate(global_P, stacks, state, hp):
         rows_S = scaled_K.nonzero()[:, 0]
         correction_P = grads_KP[rows_S].double().T @ x_K[rows_S].to(grads_KP.device)
         new_global_P = new_global_P.double().sub_(correction_P).to(params_KP.dtype)
-    diagnostics = {"cgw_x_K": x_K, "cgw_weight_K": weights_K.double(), "cgw_grad_norm_K": sq_norm_K.sqrt(),
-                   "cgw_c": c, "cgw_zero_grad_clients": num_zero.double()}
-    return new_global_P, state, diagnostics
+    return new_global_P
 
 
-CGW = register(Strategy("cgw", aggregate, needs=frozenset({"full_grad_KP", "full_loss_K"}), doc=__doc__,
-                        params={"cgw_alpha": 0.1}, check_params=lambda params: at_least_zero(params, "cgw_alpha"),
+def aggregate(global_P, stacks, state, hp):
+    span = Span.whole(global_P.shape[0], block_width(stacks, global_P.shape[0]), global_P.device)
+    weights_K, x_K, diagnostics = _weights(stacks, hp, span)
+    return _columns(stacks["params_KP"], stacks["full_grad_KP"], weights_K, x_K), state, diagnostics
+
+
+def aggregate_span(global_P, stacks, state, hp, span):
+    """The statistics over every rank's blocks, then the new columns block by block over this
+    rank's range (Strategy.aggregate_span)."""
+    weights_K, x_K, diagnostics = _weights(stacks, hp, span)
+    params_KP, grads_KP = stacks["params_KP"], stacks["full_grad_KP"]
+    new_P = torch.empty_like(global_P)
+    for b in span.blocks:
+        new_P[b] = _columns(params_KP[:, b], grads_KP[:, b], weights_K, x_K)
+    return new_P, state, diagnostics
+
+
+CGW = register(Strategy("cgw", aggregate, needs=frozenset({"full_grad_KP", "full_loss_K", "aggregation_block"}),
+                        doc=__doc__, aggregate_span=aggregate_span, params={"cgw_alpha": 0.1},
+                        check_params=lambda params: at_least_zero(params, "cgw_alpha"),
                         param_docs={"cgw_alpha": "Corrective gradient weights: alpha in c = min_k alpha L_k / "
                                                  "||D_k|| (0 gives FedAvg)."}))

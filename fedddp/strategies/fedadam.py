@@ -34,6 +34,23 @@ def aggregate(global_P, stacks, state, hp):
     return global_P + step_P, {"m_P": m_P, "v_P": v_P}, {"update_norm": torch.linalg.vector_norm(step_P)}
 
 
+def aggregate_span(global_P, stacks, state, hp, span):
+    """The same per column, block by block over this rank's range; update_norm from float64
+    per-block sums of squares added in block order (Strategy.aggregate_span)."""
+    p, weights_K, params_KP = hp.params, client_weights_K(stacks, hp), stacks["params_KP"]
+    new_P, m_P, v_P = (torch.empty_like(global_P) for _ in range(3))
+    sq_rows = []
+    for b in span.blocks:
+        delta_B = weighted_mean_P(weights_K, params_KP[:, b]) - global_P[b]
+        m_P[b] = state["m_P"][b] * p["beta1"] + delta_B * (1 - p["beta1"])
+        v_P[b] = state["v_P"][b] * p["beta2"] + delta_B.square() * (1 - p["beta2"])
+        step_B = m_P[b] / (v_P[b].sqrt() + p["tau"]) * p["eta"]
+        new_P[b] = global_P[b] + step_B
+        sq_rows.append(step_B.double().square().sum())
+    update_norm = span.total(sq_rows, 1)[0].sqrt().to(global_P.dtype)
+    return new_P, {"m_P": m_P, "v_P": v_P}, {"update_norm": update_norm}
+
+
 def check_params(params: dict) -> list[str]:
     errors = [f"algorithm.params.{k}: must be in [0, 1), got {params[k]}" for k in ("beta1", "beta2")
               if not 0.0 <= params[k] < 1.0]
@@ -46,4 +63,5 @@ FEDADAM = register(Strategy("fedadam", aggregate, init_state=init_state, doc=__d
                             param_docs={"eta": "FedAdam: the server's step size.",
                                         "beta1": "FedAdam: decay of the first moment m.",
                                         "beta2": "FedAdam: decay of the second moment v.",
-                                        "tau": "FedAdam: degree of adaptivity (added to sqrt(v))."}))
+                                        "tau": "FedAdam: degree of adaptivity (added to sqrt(v))."},
+                            aggregate_span=aggregate_span))

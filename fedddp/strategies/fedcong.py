@@ -44,16 +44,32 @@ SELECT_COLUMNS_CPU = 1 << 15
 
 def aggregate(global_P, stacks, state, hp):
     params_KP = stacks["params_KP"]
+    need = max(1, min_agreeing(hp.params["cong_alpha"], params_KP.shape[0]))  # >= 1: an empty group never qualifies
+    new_global_P, took_2 = _columns(global_P, params_KP, client_weights_K(stacks, hp), need)
+    return new_global_P, state, _diagnostics(took_2 / params_KP.shape[1], params_KP.dtype)
+
+
+def aggregate_span(global_P, stacks, state, hp, span):
+    """Block by block over this rank's range; the groups' column counts added over every block
+    (Strategy.aggregate_span)."""
+    params_KP = stacks["params_KP"]
+    need = max(1, min_agreeing(hp.params["cong_alpha"], params_KP.shape[0]))
+    weights_K = client_weights_K(stacks, hp)
+    new_P, took_rows = torch.empty_like(global_P), []
+    for b in span.blocks:
+        new_P[b], took_2 = _columns(global_P[b], params_KP[:, b], weights_K, need)
+        took_rows.append(took_2)
+    return new_P, state, _diagnostics(span.total(took_rows, 2) / span.numel, params_KP.dtype)
+
+
+def _columns(global_P, params_KP, weights_K, need: int):
+    """(the new columns, float64 [2]: how many columns took the positive group, the negative)."""
     num_clients, num_params = params_KP.shape
     dtype, device = params_KP.dtype, params_KP.device
-    weights_K = client_weights_K(stacks, hp)
-    need = max(1, min_agreeing(hp.params["cong_alpha"], num_clients))  # >= 1: an empty group never qualifies
     lib = kernels.lib(params_KP, global_P, rule="fedcong")
     if lib is not None:
         new_global_P, took_pos, took_neg = kernels.fedcong(lib, params_KP, weights_K, global_P, need)
-        took_2 = torch.stack([torch.as_tensor(took, dtype=torch.float64)
-                              for took in (took_pos, took_neg)]) / num_params
-        return new_global_P, state, _diagnostics(took_2, dtype)
+        return new_global_P, torch.stack([torch.as_tensor(took, dtype=torch.float64) for took in (took_pos, took_neg)])
     # alpha > 1/2: at most one group can qualify, so the choice is just the two thresholds
     exclusive = 2 * need > num_clients
     ones_K, zeros_K = torch.ones_like(weights_K), torch.zeros_like(weights_K)
@@ -119,8 +135,7 @@ def aggregate(global_P, stacks, state, hp):
         torch.div(chosen_2B[1], chosen_2B[0], out=new_global_P[outer:outer + outer_width])
         work_B[13:15].add_(take_2B)
 
-    took_2 = work[13:15].sum(1, dtype=torch.float64) / num_params
-    return new_global_P, state, _diagnostics(took_2, dtype)
+    return new_global_P, work[13:15].sum(1, dtype=torch.float64)
 
 
 def _diagnostics(took_2: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
@@ -129,6 +144,6 @@ def _diagnostics(took_2: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
             "cong_all": (1.0 - took_2.sum()).to(dtype)}
 
 
-FEDCONG = register(Strategy("fedcong", aggregate, doc=__doc__, params={"cong_alpha": 0.7},
-                            check_params=lambda params: in_unit(params, "cong_alpha"),
+FEDCONG = register(Strategy("fedcong", aggregate, doc=__doc__, aggregate_span=aggregate_span,
+                            params={"cong_alpha": 0.7}, check_params=lambda params: in_unit(params, "cong_alpha"),
                             param_docs={"cong_alpha": "FedCong: fraction of clients that must agree in sign."}))

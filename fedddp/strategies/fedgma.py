@@ -5,8 +5,8 @@ client gradients.
   grad   = sum_k p_k g_kj * mask_j
   w      = sum_k p_k w_k - eta_s grad        (eta_s = hp.server_lr)
 
-g_k is the minibatch gradient at the client's last local step (gma_grad = "last", the
-paper's choice) or the update w - w_k ("delta"). gma_mask = "soft" (the 2023 follow-up)
+g_k is the minibatch gradient at the client's last local step (hp.params["gma_grad"] = "last", the
+paper's choice) or the update w - w_k ("delta"). hp.params["gma_mask"] = "soft" (the 2023 follow-up)
 replaces the 0/1 mask by 1 where the agreement |sum_k sign(g_kj)| / K reaches p and by the
 agreement itself below it (the same non-strict threshold as the hard mask).
 
@@ -35,8 +35,32 @@ from .base import (Strategy, client_weights_K, column_block, min_agreeing, regis
 
 def aggregate(global_P, stacks, state, hp):
     params_KP = stacks["params_KP"]
-    num_clients, num_params = params_KP.shape
+    new_global_P, mask_sum, mask_P = _columns(global_P, params_KP, stacks, client_weights_K(stacks, hp), hp)
+    if mask_P is not None:
+        return new_global_P, state, {"mask_density": mask_P.mean()}
+    density = (torch.as_tensor(mask_sum, dtype=torch.float64) / params_KP.shape[1]).to(params_KP.dtype)
+    return new_global_P, state, {"mask_density": density}
+
+
+def aggregate_span(global_P, stacks, state, hp, span):
+    """Block by block over this rank's range; the mask's sum added over every block
+    (Strategy.aggregate_span)."""
+    params_KP, use_delta = stacks["params_KP"], hp.params["gma_grad"] == "delta"
     weights_K = client_weights_K(stacks, hp)
+    new_P, mask_rows = torch.empty_like(global_P), []
+    for b in span.blocks:
+        block = {"params_KP": params_KP[:, b]} | ({} if use_delta else {"last_grad_KP": stacks["last_grad_KP"][:, b]})
+        new_P[b], mask_sum, mask_B = _columns(global_P[b], block["params_KP"], block, weights_K, hp)
+        mask_rows.append(mask_B.sum(dtype=torch.float64) if mask_B is not None
+                         else torch.as_tensor(mask_sum, dtype=torch.float64))
+    density = (span.total(mask_rows, 1)[0] / span.numel).to(params_KP.dtype)
+    return new_P, state, {"mask_density": density}
+
+
+def _columns(global_P, params_KP, stacks, weights_K, hp):
+    """(the new columns, the mask's sum as a float from the fused kernel and None, or None and the
+    mask [P] from the torch ops)."""
+    num_clients, num_params = params_KP.shape
     use_delta = hp.params["gma_grad"] == "delta"
     soft = hp.params["gma_mask"] == "soft"
     need = min_agreeing(hp.params["gma_threshold"], num_clients)
@@ -45,8 +69,7 @@ def aggregate(global_P, stacks, state, hp):
     if lib is not None:
         new_global_P, mask_sum = kernels.fedgma(lib, params_KP, grads_KP, weights_K, global_P, need,
                                                 soft, float(hp.server_lr))
-        density = (torch.as_tensor(mask_sum, dtype=torch.float64) / num_params).to(params_KP.dtype)
-        return new_global_P, state, {"mask_density": density}
+        return new_global_P, mask_sum, None
 
     mean_P = weighted_mean_P(weights_K, params_KP)
     grad_P = torch.empty_like(mean_P)
@@ -75,8 +98,7 @@ def aggregate(global_P, stacks, state, hp):
             mask_B.addcmul_(torch.rsub(mask_B, 1.0), agree_B.div_(num_clients))
         torch.mul(mean_grad_B, mask_B, out=grad_P[cols])
 
-    new_global_P = torch.sub(mean_P, grad_P, alpha=float(hp.server_lr))
-    return new_global_P, state, {"mask_density": mask_P.mean()}
+    return torch.sub(mean_P, grad_P, alpha=float(hp.server_lr)), None, mask_P
 
 
 def needs(hp) -> frozenset:
@@ -89,7 +111,8 @@ def check_params(params: dict) -> list[str]:
 
 
 FEDGMA = register(Strategy("fedgma", aggregate, needs=frozenset({"last_grad_KP"}), needs_fn=needs,
-                           doc=__doc__, takes_server_lr=True, check_params=check_params,
+                           doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span,
+                           check_params=check_params,
                            params={"gma_threshold": 0.8, "gma_grad": "last", "gma_mask": "hard"},
                            param_docs={
                                "gma_threshold": "FedGMA: agreement threshold p of the AND-mask.",

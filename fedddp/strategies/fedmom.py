@@ -30,27 +30,46 @@ def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:
     return {"previous_P": global_P.clone()}
 
 
+def _step(global_P, params_KP, previous_P, weights_K, momentum: float, server_lr: float):
+    """(w_new, ||w_new - w||^2 as a float from the fused kernel, or None from the torch ops)."""
+    lib = kernels.lib(params_KP, global_P, previous_P, rule="fedmom")
+    if lib is not None:
+        return kernels.fedmom(lib, params_KP, weights_K, global_P, previous_P, momentum, server_lr)
+    velocity_P = torch.sub(global_P, previous_P)
+    new_global_P = server_step(global_P, weighted_mean_P(weights_K, params_KP), server_lr)
+    return new_global_P.add_(velocity_P, alpha=momentum), None
+
+
 def aggregate(global_P, stacks, state, hp):
+    momentum, server_lr = float(hp.params["server_momentum"]), float(hp.server_lr)
+    weights_K = client_weights_K(stacks, hp)
+    new_global_P, sq_norm = _step(global_P, stacks["params_KP"], state["previous_P"], weights_K, momentum, server_lr)
+    if sq_norm is not None:
+        velocity_norm = torch.as_tensor(sq_norm, dtype=torch.float64).sqrt().to(global_P.dtype)
+    else:
+        velocity_norm = torch.linalg.vector_norm(torch.sub(new_global_P, global_P))
+    return new_global_P, {"previous_P": global_P}, {"velocity_norm": velocity_norm}
+
+
+def aggregate_span(global_P, stacks, state, hp, span):
+    """Block by block over this rank's range; velocity_norm from float64 per-block sums of
+    squares added in block order (Strategy.aggregate_span)."""
     momentum, server_lr = float(hp.params["server_momentum"]), float(hp.server_lr)
     params_KP, previous_P = stacks["params_KP"], state["previous_P"]
     weights_K = client_weights_K(stacks, hp)
-    lib = kernels.lib(params_KP, global_P, previous_P, rule="fedmom")
-    if lib is not None:
-        new_global_P, sq_norm = kernels.fedmom(lib, params_KP, weights_K, global_P, previous_P,
-                                               momentum, server_lr)
-        velocity_norm = torch.as_tensor(sq_norm, dtype=torch.float64).sqrt().to(global_P.dtype)
-    else:
-        velocity_P = torch.sub(global_P, previous_P)
-        new_global_P = server_step(global_P, weighted_mean_P(weights_K, params_KP), server_lr)
-        new_global_P = new_global_P.add_(velocity_P, alpha=momentum)
-        velocity_norm = torch.linalg.vector_norm(torch.sub(new_global_P, global_P, out=velocity_P))
-    return new_global_P, {"previous_P": global_P}, {"velocity_norm": velocity_norm}
+    new_P, sq_rows = torch.empty_like(global_P), []
+    for b in span.blocks:
+        new_P[b] = _step(global_P[b], params_KP[:, b], previous_P[b], weights_K, momentum, server_lr)[0]
+        sq_rows.append(torch.sub(new_P[b], global_P[b]).double().square().sum())
+    velocity_norm = span.total(sq_rows, 1)[0].sqrt().to(global_P.dtype)
+    return new_P, {"previous_P": global_P.clone()}, {"velocity_norm": velocity_norm}
 
 
 def check_params(params: dict) -> list[str]:
     return in_unit(params, "server_momentum")
 
 
-FEDMOM = register(Strategy("fedmom", aggregate, init_state=init_state, doc=__doc__, takes_server_lr=True,
+FEDMOM = register(Strategy("fedmom", aggregate, init_state=init_state, doc=__doc__,
+                           takes_server_lr=True, aggregate_span=aggregate_span,
                            params={"server_momentum": 0.9}, check_params=check_params,
                            param_docs={"server_momentum": "FedMom server momentum delta_m (0 gives FedAvg)."}))

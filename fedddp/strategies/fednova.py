@@ -29,14 +29,28 @@ def normalisers_K(num_steps_K: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     return (tau_K - rho * (1 - rho ** tau_K) / (1 - rho)) / (1 - rho)
 
 
-def aggregate(global_P, stacks, state, hp):
+def _coefficients_K(global_P, stacks, hp):
+    """(eta tau_eff p_k / a_k in the model's dtype, tau_eff)."""
     weights_K = client_weights_K(stacks, hp).to(torch.float64)
     a_K = normalisers_K(stacks["num_steps_K"], stacks["client_momentum"])
     tau_eff = (weights_K * a_K).sum()
-    coef_K = (float(hp.server_lr) * tau_eff * weights_K / a_K).to(global_P.dtype)
+    return (float(hp.server_lr) * tau_eff * weights_K / a_K).to(global_P.dtype), tau_eff
+
+
+def aggregate(global_P, stacks, state, hp):
+    coef_K, tau_eff = _coefficients_K(global_P, stacks, hp)
     new_global_P = global_P - coef_K @ (global_P - stacks["params_KP"])
     return new_global_P, state, {"tau_eff": tau_eff.float()}
 
 
+def aggregate_span(global_P, stacks, state, hp, span):
+    """The same per column, block by block over this rank's range (Strategy.aggregate_span)."""
+    coef_K, tau_eff = _coefficients_K(global_P, stacks, hp)
+    params_KP, new_P = stacks["params_KP"], torch.empty_like(global_P)
+    for b in span.blocks:
+        new_P[b] = global_P[b] - coef_K @ (global_P[b] - params_KP[:, b])
+    return new_P, state, {"tau_eff": tau_eff.float()}
+
+
 FEDNOVA = register(Strategy("fednova", aggregate, needs=frozenset({"num_steps_K", "client_momentum"}),
-                            doc=__doc__, takes_server_lr=True))
+                            doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span))

@@ -38,9 +38,27 @@ def aggregate(global_P, stacks, state, hp):
     return new_global_P, {"drift_sum_P": drift_sum_P, "perturb_P": perturb_P}, {"dual_norm": norm}
 
 
+def aggregate_span(global_P, stacks, state, hp, span):
+    """Block by block over this rank's range; the dual made whole (span.gather_vector) for its
+    norm, so s (client-visible, returned whole) has the gathered form's bits."""
+    params_KP, duals_KP = stacks["params_KP"], stacks["perturb_dual_KP"]
+    weights_K = client_weights_K(stacks, hp)
+    mask_P, num_clients = stacks["param_mask_P"].to(global_P.dtype), stacks["num_clients"].to(global_P.dtype)
+    new_P, drift_sum_P, dual_P = (torch.empty_like(global_P) for _ in range(3))
+    for b in span.blocks:
+        drift_sum_P[b] = state["drift_sum_P"][b] + (params_KP[:, b] - global_P[b]).sum(0) * mask_P[b]
+        new_P[b] = weighted_mean_P(weights_K, params_KP[:, b]) + drift_sum_P[b] / num_clients
+        dual_P[b] = weighted_mean_P(weights_K, duals_KP[:, b])
+    dual_P = span.gather_vector(dual_P)
+    norm = torch.linalg.vector_norm(dual_P)
+    perturb_P = dual_P * (float(hp.params["sam_rho"]) / (norm + 1e-7))
+    return new_P, {"drift_sum_P": drift_sum_P, "perturb_P": perturb_P}, {"dual_norm": norm}
+
+
 FEDSMOO = register(Strategy("fedsmoo", aggregate,
                             needs=frozenset({"perturb_dual_KP", "num_clients", "param_mask_P"}),
                             init_state=init_state, client_visible=("perturb_P",), doc=__doc__,
-                            params={"sam_rho": 0.1}, check_params=lambda params: at_least_zero(params, "sam_rho"),
+                            aggregate_span=aggregate_span, params={"sam_rho": 0.1},
+                            check_params=lambda params: at_least_zero(params, "sam_rho"),
                             param_docs={"sam_rho": "FedSAM / FedSMOO perturbation radius rho (the smoo "
                                                    "clients' and the server's)."}))

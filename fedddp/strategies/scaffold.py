@@ -35,6 +35,18 @@ def _aggregate(global_P, stacks, state, hp, divisor):
     return new_global_P, {"control_P": control_P}, {"control_norm": torch.linalg.vector_norm(control_P)}
 
 
+def _aggregate_span(global_P, stacks, state, hp, span, divisor):
+    """Block by block over this rank's range; c comes back whole (client-visible), its norm that
+    of the whole vector as in the gathered form."""
+    weights_K, params_KP, deltas_KP = client_weights_K(stacks, hp), stacks["params_KP"], stacks["control_delta_KP"]
+    new_P, control_P = torch.empty_like(global_P), torch.empty_like(state["control_P"])
+    for b in span.blocks:
+        new_P[b] = server_step(global_P[b], weighted_mean_P(weights_K, params_KP[:, b]), hp.server_lr)
+        control_P[b] = state["control_P"][b] + deltas_KP[:, b].sum(0) / divisor
+    control_P = span.gather_vector(control_P)
+    return new_P, {"control_P": control_P}, {"control_norm": torch.linalg.vector_norm(control_P)}
+
+
 def aggregate(global_P, stacks, state, hp):
     return _aggregate(global_P, stacks, state, hp, stacks["num_clients"].to(global_P.dtype))
 
@@ -43,9 +55,17 @@ def aggregate_sampled(global_P, stacks, state, hp):
     return _aggregate(global_P, stacks, state, hp, stacks["control_delta_KP"].shape[0])
 
 
+def aggregate_span(global_P, stacks, state, hp, span):
+    return _aggregate_span(global_P, stacks, state, hp, span, stacks["num_clients"].to(global_P.dtype))
+
+
+def aggregate_sampled_span(global_P, stacks, state, hp, span):
+    return _aggregate_span(global_P, stacks, state, hp, span, stacks["control_delta_KP"].shape[0])
+
+
 SCAFFOLD = register(Strategy("scaffold", aggregate, needs=frozenset({"control_delta_KP", "num_clients"}),
                              init_state=init_state, client_visible=("control_P",), doc=__doc__,
-                             takes_server_lr=True))
+                             takes_server_lr=True, aggregate_span=aggregate_span))
 FEDGAM_CV = register(Strategy("fedgam_cv", aggregate_sampled, needs=frozenset({"control_delta_KP"}),
                               init_state=init_state, client_visible=("control_P",), doc=__doc__,
-                              takes_server_lr=True))
+                              takes_server_lr=True, aggregate_span=aggregate_sampled_span))
