@@ -24,6 +24,7 @@ from fedddp.flat import runs_R3, runs_within
 from fedddp.sharded import ALIGN, RangeRow, cut_static
 from fedddp.strategies import Span, kernels
 from fedrun import QUICKSTART, REPO, assert_same_state, final_state, metrics, run_fedddp, run_fedddp_each, run_here
+from test_strategies import hp_of
 
 PLUGIN = os.path.join(REPO, "examples", "my_plugin.toml")
 
@@ -92,9 +93,8 @@ def _inputs(seed: int):
               "noise_seed": torch.tensor(3), "aggregation_block": torch.tensor(WIDTH)}
     for name in ("last_grad_KP", "full_grad_KP", "control_delta_KP", "perturb_dual_KP"):
         stacks[name] = torch.randn(K, P, generator=g)
-    hp = AlgorithmConfig(server_momentum=0.9, cong_alpha=0.6, gma_threshold=0.6, cgw_alpha=0.1, dp_clip=0.5,
-                         dp_noise=0.5, server_lr=0.7, sam_rho=0.1,
-                         params={"eta": 1e-2, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3})
+    hp = hp_of(server_momentum=0.9, cong_alpha=0.6, gma_threshold=0.6, cgw_alpha=0.1, dp_clip=0.5,
+               dp_noise=0.5, server_lr=0.7, sam_rho=0.1, eta=1e-2, beta1=0.9, beta2=0.99, tau=1e-3)
     return global_P, stacks, hp
 
 
