@@ -76,8 +76,8 @@ TRIMMED_MEAN = Strategy("trimmed_mean", _trimmed_mean, params={"trim": 0.5}, che
 
 class ClippedSGD(LocalRule):
     """A local rule: the task's loss, its minibatch gradient clipped to L2 norm ``clip`` as
-    torch.nn.utils.clip_grad_norm_ clips. One direction, for one client's tensors and for stacks
-    of clients side by side."""
+    torch.nn.utils.clip_grad_norm_ clips (fedddp's built-in ``clip`` is the same rule). One
+    direction, for one client's tensors and for stacks of clients side by side."""
 
     name = "clipped_sgd"
     params = {"clip": 1.0}

@@ -25,6 +25,7 @@ from ..tasks import CLASSIFICATION, Task
 from ..models import dropout
 from .optim import build_optimizer, epoch_end, lr_at
 from .rules import LocalRule, param_views
+from . import clip  # noqa: F401 - registers the built-in local rule clip (its own file)
 
 
 @dataclass

@@ -45,6 +45,7 @@ The rules of seed 002's FedGAM paper and its baselines (formulas: docs/algorithm
   gam       g(w) + alpha rho g(w + rho g / ||g||)                         FedGAM, seed 002 eq. 19
   gam_cv    gam direction + c - c_k, c_k as SCAFFOLD                      FedGAM-CV, eqs. 20-21
   smoo      SAM with duals (mu_k, s) + FedDyn-style drift correction      FedSMOO
+and, in its own file, ``clip`` (fedddp/client/clip.py), FL-Simulator's clipped local step.
 Extra forward-backward passes (SAM, GAM, SMOO) run at a perturbed point and restore the
 parameters bit for bit afterwards; they do not update BatchNorm running statistics (only the
 first pass at w does, as in the public SAM/GAM code).
@@ -456,7 +457,7 @@ class Smoo(LocalRule):
     g' = g - mu_k - s; e = rho g' / (||g'|| + 1e-7); mu_k <- mu_k + e - s; step along
     g(w + e) + lambda (w - w_global + h_k). After training h_k <- h_k + (w_k - w_global). mu_k and
     h_k are the client's state (zero at first), s the server's broadcast perturbation correction.
-    The reference code's gradient clipping (norm 10) is left out, as for every other rule."""
+    The reference code's gradient clipping (norm 10) is left out, as for every other rule but clip."""
 
     name = "smoo"
     client_state = ("drift_P", "perturb_dual_P")
@@ -499,7 +500,7 @@ class Smoo(LocalRule):
 
 
 # the built-in local rules of this file, registered by name; RULES is the registry's dict (the
-# plugins join it too)
+# rules in their own files, fedddp/client/clip.py, and plugins join it too)
 LOCAL_RULES.update({r.name: r for r in (LocalRule, Prox, Scaffold, Moon, Sam, Gam, GamCV, Smoo)})
 RULES = LOCAL_RULES
 
