@@ -75,7 +75,9 @@ TRIMMED_MEAN = Strategy("trimmed_mean", _trimmed_mean, params={"trim": 0.5}, che
 
 
 class ClippedSGD(LocalRule):
-    """A local rule: the task's loss, its minibatch gradient clipped to L2 norm ``clip``."""
+    """A local rule: the task's loss, its minibatch gradient clipped to L2 norm ``clip`` as
+    torch.nn.utils.clip_grad_norm_ clips (fedddp's built-in ``clip`` is the same rule). One
+    direction, for one client's tensors and for stacks of clients side by side."""
 
     name = "clipped_sgd"
     params = {"clip": 1.0}
@@ -85,7 +87,7 @@ class ClippedSGD(LocalRule):
         clip = params["clip"]
         return [] if clip > 0 else [f"algorithm.params.clip: must be > 0, got {clip}"]
 
-    def gradient(self, model, x, y, ctx):
-        loss = super().gradient(model, x, y, ctx)  # the task's loss, backward
-        torch.nn.utils.clip_grad_norm_(model.parameters(), ctx.hp.params["clip"])
-        return loss
+    def direction(self, step):
+        # step.norm: the client's L2 norm over every parameter (side by side: each client's)
+        scale = (step.hp.params["clip"] / (step.norm(step.grads) + 1e-6)).clamp(max=1.0)
+        return [g * step.per_client(scale, g) for g in step.grads]

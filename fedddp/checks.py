@@ -9,6 +9,7 @@ call.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -112,6 +113,7 @@ def _guarded_rule(cls: type, path: str) -> type:
     def guard(hook: str):
         method = getattr(cls, hook)
 
+        @functools.wraps(method)  # __wrapped__: the user's own (rules.one_client_only reads it)
         def call(self, *args, **kwargs):
             with plugins.calling("algorithm.local", f"{path}.{hook}"):
                 return method(self, *args, **kwargs)
@@ -121,6 +123,6 @@ def _guarded_rule(cls: type, path: str) -> type:
         with plugins.calling("algorithm.local", f"{path}.check_params"):
             return cls.check_params(params)
 
-    hooks = {hook: guard(hook) for hook in ("begin", "gradient", "end")}
+    hooks = {hook: guard(hook) for hook in ("begin", "loss", "direction", "gradient", "end")}
     return type(cls.__name__, (cls,), {**hooks, "check_params": staticmethod(check_params),
                                        "__module__": cls.__module__, "__doc__": cls.__doc__})

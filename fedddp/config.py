@@ -246,7 +246,7 @@ class AlgorithmConfig:
     local: str = opt("auto", "Client-side local rule; auto: the one algorithm.name implies. Another rule "
                              "composes with the name's server rule, e.g. name = fedgma with local = prox, "
                              "or name = feder with local = gam. module:attr: your LocalRule subclass.",
-                     ("auto", "plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo"), plugin=True)
+                     ("auto", "plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo", "clip"), plugin=True)
     params: dict = opt({}, "The server and local rules' own hyperparameters (each rule declares its names, "
                            "defaults and checks; python -m fedddp --help lists the built-ins'). [algorithm.params] "
                            "NAME = value for the run's rules (a name they do not declare is refused), or "

@@ -109,6 +109,10 @@ RULES = """
     class Bad(LocalRule):
         def gradient(self, model, x, y, ctx):
             raise KeyError("beta")
+
+    class BadDirection(LocalRule):
+        def direction(self, step):
+            raise KeyError("gamma")
 """
 
 
@@ -116,6 +120,8 @@ RULES = """
     ("algorithm.name=nc_rules:rule", "algorithm.name: nc_rules:rule (its aggregate) raised RuntimeError: stacks has "
      "no key 'grads_KP'"),
     ("algorithm.local=nc_rules:Bad", "algorithm.local: nc_rules:Bad.gradient raised KeyError: 'beta'"),
+    ("algorithm.local=nc_rules:BadDirection", "algorithm.local: nc_rules:BadDirection.direction raised KeyError: "
+     "'gamma'"),
 ])
 def test_a_plugin_rule_that_raises_is_one_line_exit_7(tmp_path, monkeypatch, capsys, override, line):
     plugin(tmp_path, monkeypatch, "nc_rules", RULES)

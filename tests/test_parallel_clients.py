@@ -184,9 +184,9 @@ def test_augmented_batches_are_the_sequential_paths():
     trainer = batched.BatchedTrainer(model, layout, cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
     gradients = trainer._gradients
 
-    def recorded(params_T, stacks, shared, x, y, mask, count, *rest):
+    def recorded(stacks, x, y, mask, count, *rest):
         fed.append([x[j, :int(n)].clone() for j, n in enumerate(count.tolist())])
-        return gradients(params_T, stacks, shared, x, y, mask, count, *rest)
+        return gradients(stacks, x, y, mask, count, *rest)
 
     trainer._gradients = recorded
     trainer.train_group([job(cid, data) for cid, data in enumerate(clients)])

@@ -12,6 +12,7 @@ from torch import nn
 import fedddp
 from fedddp import algorithms, checkpoint, checks, config, registry
 from fedddp.__main__ import main
+from fedddp.errors import ConfigError
 from fedddp.strategies import kernels
 from fedrun import REPO, assert_same_state, client_rows, final_state, metrics, run_fedddp
 
@@ -166,6 +167,51 @@ def test_moon_with_proj_dim_zero_takes_any_head(tmp_path, capsys):
         "algorithm.name=moon", "model.name=test_plugins:SplitNoLinearHead", "algorithm.moon_proj_dim=0",
         f"run.out_dir={tmp_path}"])
     assert status == 0, lines
+
+
+# -- plugin local rules side by side ----------------------------------------------------------
+
+@pytest.mark.e2e
+def test_a_plugin_local_rule_written_as_a_direction_runs_side_by_side(tmp_path):
+    """The example's ClippedSGD has one direction for one client and for stacks: side by side
+    (B = 4) it trains each client as one after another does (test_parallel_clients' tolerance), and
+    the clip acts."""
+    from test_parallel_clients import SYNTHETIC, assert_close, final_P
+
+    mlp = SYNTHETIC + ["model.name=mlp", "model.hidden=16"]
+    clipped_P = assert_close(tmp_path, mlp + ["algorithm.local=examples.my_plugin:ClippedSGD",
+                                              "algorithm.params.clip=0.5"])
+    assert (clipped_P - final_P(tmp_path / "plain", 1, mlp)).abs().max() > 1e-3
+
+
+ONE_CLIENT_RULE = """
+    from fedddp.client.rules import LocalRule, backward
+
+    class OneClientClip(LocalRule):
+        def gradient(self, model, x, y, ctx):
+            loss = ctx.task.loss(model(x), y)
+            backward(loss, list(model.parameters()))
+            for p in model.parameters():
+                p.grad.clamp_(-1.0, 1.0)
+            return loss
+"""
+
+
+def test_a_plugin_local_rule_with_only_the_one_client_step_is_refused_side_by_side(tmp_path, monkeypatch):
+    """A rule that overrides gradient() (the one-client hook, as plugins were written before
+    direction) trains one after another; side by side is one line saying what to write instead."""
+    (tmp_path / "one_client_rule_mod.py").write_text(textwrap.dedent(ONE_CLIENT_RULE))
+    monkeypatch.chdir(tmp_path)
+    local = "algorithm.local=one_client_rule_mod:OneClientClip"
+    assert checks.load(None, [local]).algorithm.local == "one_client_rule_mod:OneClientClip"
+    with pytest.raises(ConfigError) as err:
+        checks.load(None, [local, "run.parallel_clients=3"])
+    assert str(err.value) == (
+        "1 configuration error(s): run.parallel_clients: the local rule one_client_rule_mod:OneClientClip "
+        "overrides gradient(), which trains one client at a time; to run side by side, write its step as "
+        "direction(step) (and loss(net, x, y, hp) if it changes the objective) instead (docs/extending.md, "
+        "\"Local rules\"); set run.parallel_clients=1")
+    checks.load(None, ["algorithm.local=examples.my_plugin:ClippedSGD", "run.parallel_clients=3"])
 
 
 # -- [algorithm.params] ----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ..tasks import CLASSIFICATION, Task
 from ..models import dropout
 from .optim import build_optimizer, epoch_end, lr_at
 from .rules import LocalRule, param_views
+from . import clip  # noqa: F401 - registers the built-in local rule clip (its own file)
 
 
 @dataclass
@@ -92,6 +93,44 @@ def check_one_sample_batches(model, input_shape, num_samples_K: list[int], size:
                       f"channel in training; {fix}")
 
 
+class Schedule:
+    """One client's batches and learning rates for a round, the same one after another and side by
+    side: a permutation of its samples per local epoch from its own generator (seeded by (seed,
+    round, client id)), then the step's augmentation draws from the same generator; the rate of
+    ``lr_at`` on the client's epoch clock."""
+
+    def __init__(self, data: ClientData, tc, augment: bool, round_idx: int, seed: int, work: int, device):
+        self.data, self.tc, self.augment, self.seed, self.device = data, tc, augment, seed, device
+        n = len(data)
+        self.batch_size, self.per_epoch = batch_size_of(n, tc.batch_size), batches_per_epoch(n, tc.batch_size)
+        self.steps = planned_steps(n, tc, work)
+        self.round_idx, self.epochs_before = round_idx, (round_idx - 1) * tc.local_epochs
+        self.gen = torch.Generator().manual_seed(seed)
+        self.order = self.order_on_device = None
+
+    def positions(self, step: int) -> torch.Tensor:
+        """This step's sample indices, on the CPU (a new permutation at each epoch's first step)."""
+        pos = step % self.per_epoch
+        if pos == 0:
+            self.order = torch.randperm(len(self.data), generator=self.gen)
+            self.order_on_device = None
+        return self.order[pos * self.batch_size:(pos + 1) * self.batch_size]
+
+    def batch(self, step: int):
+        """This step's (x, y) on the data's device, x augmented (data.augment) by draws that follow
+        the step's permutation."""
+        self.positions(step)
+        if self.order_on_device is None:  # once an epoch
+            self.order_on_device = self.order.to(self.device)
+        pos = step % self.per_epoch
+        idx = self.order_on_device[pos * self.batch_size:(pos + 1) * self.batch_size]
+        x, y = self.data.x[idx], self.data.y[idx]
+        return (augment_batch(x, self.gen) if self.augment else x), y
+
+    def lr(self, step: int) -> float:
+        return lr_at(self.tc, self.round_idx, self.epochs_before + step // self.per_epoch)
+
+
 def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRule, needs: frozenset,
                  seed: int, out: dict[str, torch.Tensor], work: int = 0) -> None:
     """Train ``model`` (already holding global_P) on ``data`` and write the report into ``out``:
@@ -99,59 +138,53 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     scalars ``train_loss``, ``num_samples``, ``num_steps``, ``full_loss`` and ``eff_rank_L``.
     ``work``: this round's local epochs (steps) of the client, see ``planned_steps``."""
     tc = cfg.train
-    device = ctx.global_P.device
-    n = len(data)
-    batch_size = batch_size_of(n, tc.batch_size)
-    per_epoch = batches_per_epoch(n, tc.batch_size)
-    total_steps = planned_steps(n, tc, work)
-    epochs_before = (ctx.round_idx - 1) * tc.local_epochs
-
     model.train()
     drops = dropout.layers(model)  # their masks: drawn from (seed, step, layer), models.dropout
     if rule.needs_start_gradient(ctx.hp):
         # before seeding: the extra pass leaves the training's random stream as it was
         ctx.scratch["start_grad_P"] = start_gradient(model, data, ctx.layout, tc.batch_size, ctx.task, seed)
-    gen = torch.Generator().manual_seed(seed)
+    schedule = Schedule(data, tc, cfg.data.augment, ctx.round_idx, seed, work, ctx.global_P.device)
     torch.manual_seed(seed)  # any random op of the model other than nn.Dropout uses the global generator
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(tc, params, lr_at(tc, ctx.round_idx, epochs_before))
+    optimizer = build_optimizer(tc, params, schedule.lr(0))
     rule.begin(model, ctx)
     # each step's loss is kept (a running device sum would be a cast and an add per step) and
     # summed on the host in step order, in float64 as the device did
     losses = []
     lr_sum = 0.0  # the rule's end hook gets the mean learning rate of the steps taken (SCAFFOLD)
-    order = None
-    for step in range(total_steps):
-        pos = step % per_epoch
-        if pos == 0:
-            epoch = step // per_epoch
-            if epoch > 0:
-                epoch_end(optimizer, tc, ctx.round_idx, epochs_before + epoch)
-            order = torch.randperm(n, generator=gen).to(device)
-        idx = order[pos * batch_size:(pos + 1) * batch_size]
-        x, y = data.x[idx], data.y[idx]
-        if cfg.data.augment:
-            x = augment_batch(x, gen)
-        # unset, not zeroed: backward then hands its gradients over instead of adding them to
-        # zeros, one kernel per parameter fewer (a small model's GPU step is bound by launches);
-        # rules.backward gives the bits of that sum (fedddp/client/rules.py)
+    for step in range(schedule.steps):
+        if step % schedule.per_epoch == 0 and step > 0:
+            epoch_end(optimizer, tc, ctx.round_idx, schedule.epochs_before + step // schedule.per_epoch)
+        x, y = schedule.batch(step)
+        # unset, not zeroed: the rule's step sets each .grad to its direction (+ 0.0: the bits of
+        # adding it to zeroed gradients, fedddp/client/rules.py), one kernel per parameter fewer
+        # than zeroing (a small model's GPU step is bound by launches)
         optimizer.zero_grad(set_to_none=True)
         dropout.set_key(drops, (seed, step))
         loss = rule.gradient(model, x, y, ctx)
         losses.append(loss.detach())
-        if step == total_steps - 1 and "last_grad_KP" in needs:
+        if step == schedule.steps - 1 and "last_grad_KP" in needs:
             ctx.layout.flatten_grads(model, out=out["last_grad_P"])
         lr_sum += optimizer.param_groups[0]["lr"]
         optimizer.step()
     dropout.set_key(drops, None)
     ctx.layout.flatten(model, out=out["params_P"])
-    rule.end(model, ctx, total_steps, lr_sum / max(total_steps, 1), out)
     loss_sum = 0.0
     for loss_value in torch.stack(losses).double().tolist() if losses else ():
         loss_sum += loss_value
-    out["train_loss"] = torch.tensor(loss_sum / max(total_steps, 1), dtype=torch.float64)
-    out["num_samples"] = torch.tensor(float(n))
-    out["num_steps"] = torch.tensor(float(total_steps))
+    finish_report(model, ctx, data, rule, needs, schedule.steps, lr_sum / max(schedule.steps, 1), loss_sum, out)
+
+
+def finish_report(model, ctx: ClientContext, data: ClientData, rule: LocalRule, needs: frozenset, steps: int,
+                  lr: float, loss_sum: float, out: dict) -> None:
+    """The report after a client's last step, one after another and side by side: ``model`` holds
+    its trained parameters, out["params_P"] has them; the rule's end hook (``lr`` the steps' mean
+    rate), the mean training loss (``loss_sum`` over the steps, float64), the counts, and the
+    full-batch gradient (CGW) and effective ranks (FedER) when the server rule needs them."""
+    rule.end(model, ctx, steps, lr, out)
+    out["train_loss"] = torch.tensor(loss_sum / max(steps, 1), dtype=torch.float64)
+    out["num_samples"] = torch.tensor(float(len(data)))
+    out["num_steps"] = torch.tensor(float(steps))
     if "full_grad_KP" in needs:
         out["full_loss"] = full_batch_gradient(model, data, ctx.layout, out["full_grad_P"], ctx.task)
     if "eff_rank_KL" in needs:

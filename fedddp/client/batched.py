@@ -8,8 +8,8 @@ Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` ove
 parameters, no compilation. It keeps ``train_client``'s semantics client by client (that path,
 ``B = 1``, stays the reference):
 
-- batches: each client draws from its own generator seeded by (seed, round, client id), in the
-  same order as ``train_client`` (``randperm`` per epoch, then augmentation), so a client's
+- batches: each client's ``Schedule``, the one ``train_client`` draws from (its own generator
+  seeded by (seed, round, client id), ``randperm`` per epoch, then augmentation), so a client's
   batches hold the same samples; they are padded to S under a per-sample mask, and each
   client's loss is its own mean over its own (possibly partial) batch;
 - steps: a client that has done its ``planned_steps`` leaves the stacks (its report row gets
@@ -20,12 +20,16 @@ parameters, no compilation. It keeps ``train_client``'s semantics client by clie
   sequential path's (torch's SGD and Adam; the ``adamp`` package's AdamP, its projection chosen
   per client; the ``rmsgd`` package's RMSGD, its per-tensor rates computed by the package per
   client at that client's own epoch boundaries);
-- local rules: their ``begin`` and ``end`` hooks run per client as in the sequential path (the
-  state they read and write is the same), and their per-step direction is written here over
-  the stacks (plain, prox, scaffold, moon, sam, gam, gam_cv, smoo);
+- local rules: written once (fedddp/client/rules.py). Their ``begin`` and ``end`` hooks run per
+  client as in the sequential path (the state they read and write is the same); their ``loss``
+  runs under vmap, one client's tensors (``_NetAt``); their ``direction`` runs over the stacks
+  (``_Step``), the entries of ctx.scratch it reads stacked over the clients, or one for all when
+  every client's is the same (FedProx's anchor: the global model). A rule that overrides the
+  one-client ``gradient`` instead (a plugin written for one client at a time) is refused;
 - reports: the trained parameters (and last-step directions) go from the stacks straight into
-  the report rows; full-batch gradients (CGW) and effective ranks (FedER) are computed per
-  client by the sequential functions, after loading its trained parameters into the model.
+  the report rows; the rest is ``finish_report``, the sequential path's, per client after
+  loading its trained parameters into the model (the rule's end hook, full-batch gradients for
+  CGW, effective ranks for FedER).
 - dropout: vmap refuses random operations, so each client's masks for the step are drawn
   outside it from (its seed, step, layer) exactly as ``models.dropout.SeededDropout`` draws them
   in the sequential path, padded with zeros, and the twin's ``_MaskedDropout`` layers multiply by
@@ -63,24 +67,18 @@ import copy
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from .. import strategies, tasks
-from ..data.vision import augment_batch
 from ..errors import ConfigError
 from ..flat import FlatLayout
-from ..metrics.effective_rank import effective_ranks_L, unfolding
-from ..sampling import batch_size_of
 from ..models import dropout
-from ..registry import resolve
+from ..registry import LOCAL_RULES, resolve
 from . import rules
-from . import ClientContext, batches_per_epoch, full_batch_gradient, planned_steps, start_gradient
+from . import ClientContext, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
-from .optim import lr_at
 
-RULES = ("plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo")
 BATCH_NORM_MODELS = ("resnet18",)  # the built-ins with BatchNorm (plugin models are checked when built)
 
 
@@ -99,9 +97,10 @@ def check(cfg) -> list[str]:
         return []
     fix = "; set run.parallel_clients=1"
     errors = []
-    if local not in RULES:
-        errors.append(f"run.parallel_clients: the local rule {local} is not batched (batched: "
-                      f"{', '.join(RULES)}){fix}")
+    if local in LOCAL_RULES and rules.one_client_only(LOCAL_RULES[local]):
+        errors.append(f"run.parallel_clients: the local rule {local} overrides gradient(), which trains one "
+                      "client at a time; to run side by side, write its step as direction(step) (and loss(net, "
+                      f"x, y, hp) if it changes the objective) instead (docs/extending.md, \"Local rules\"){fix}")
     if cfg.train.optimizer not in OPTIMIZERS:
         errors.append(f"run.parallel_clients: train.optimizer = {cfg.train.optimizer} is not batched "
                       f"(batched: {', '.join(OPTIMIZERS)}){fix}")
@@ -127,34 +126,6 @@ def try_side_by_side(cfg, model, data) -> None:
     trainer.try_first_client(data.train, data.num_samples, range(cfg.data.num_clients))
 
 
-class _Schedule:
-    """One client's batches and learning rates, drawn exactly as ``train_client`` draws them."""
-
-    def __init__(self, cid, data, tc, augment: bool, round_idx: int, seed: int, work: int, device):
-        self.cid, self.data, self.tc, self.augment = cid, data, tc, augment
-        n = len(data)
-        self.batch_size, self.per_epoch = batch_size_of(n, tc.batch_size), batches_per_epoch(n, tc.batch_size)
-        self.steps = planned_steps(n, tc, work)
-        self.round_idx, self.epochs_before = round_idx, (round_idx - 1) * tc.local_epochs
-        self.seed, self.gen = seed, torch.Generator().manual_seed(seed)
-        self.device, self.order = device, None
-
-    def positions(self, step: int) -> torch.Tensor:
-        """This step's sample indices (on the CPU), as ``train_client`` draws them."""
-        pos = step % self.per_epoch
-        if pos == 0:
-            self.order = torch.randperm(len(self.data), generator=self.gen)
-        return self.order[pos * self.batch_size:(pos + 1) * self.batch_size]
-
-    def augmented_batch(self, step: int):
-        """This step's batch, augmented by draws that follow the step's permutation."""
-        idx = self.positions(step).to(self.device)
-        return augment_batch(self.data.x[idx], self.gen), self.data.y[idx]
-
-    def lr(self, step: int) -> float:
-        return lr_at(self.tc, self.round_idx, self.epochs_before + step // self.per_epoch)
-
-
 class _Represent(nn.Module):
     """A model as (representation, output), so that functional_call reaches ``represent``."""
 
@@ -167,12 +138,98 @@ class _Represent(nn.Module):
         return z, self.net.head(z)
 
 
-def _ascent(grads_T, rho: float, eps: float):
-    """SAM's e = rho g / (||g|| + eps) per client, the norm over every parameter of the client."""
-    norms_TB = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads_T])
-    scale_B = rho / (torch.linalg.vector_norm(norms_TB, dim=0) + eps)
-    return [g * _per_client(scale_B, g) for g in grads_T]
+class _NetAt:
+    """One client's model as ``LocalRule.loss`` reads it side by side, under vmap: that client's
+    parameters, running statistics, batch mask, dropout masks, scratch entries and frozen models
+    (``rules.OneNet`` is the one-after-another form)."""
 
+    def __init__(self, trainer, params_T, buffers_T, mask, count, drops, scratch: dict, frozen: list):
+        self._trainer, self._params_T, self._buffers_T, self._frozen = trainer, params_T, buffers_T, frozen
+        self._mask, self._count, self._drops = mask, count, drops
+        self.task, self.scratch, self.stats, self.frozen_count = trainer.task, scratch, (), len(frozen)
+
+    def _train(self, net, prefix: str, x):
+        out = self._trainer._forward(net, self._params_T, self._buffers_T, x, self._mask, self._count, self._drops,
+                                     prefix)
+        self.stats = self._trainer._collected()  # before another forward starts afresh
+        return out
+
+    def __call__(self, x):
+        return self._train(self._trainer.net, "", x)
+
+    def represent(self, x):
+        return self._train(self._trainer.represent, "net.", x)
+
+    def frozen(self, x) -> list[torch.Tensor]:
+        """The frozen models' representations, in eval mode on their own running statistics."""
+        t = self._trainer
+        return [t._forward(t.represent, p_T, b_T, x, self._mask, self._count, self._drops, "net.", training=False)[0]
+                .detach() for p_T, b_T in self._frozen]
+
+    def mean(self, loss_of):
+        """The client's mean over its own samples (padding has mask 0)."""
+        return (loss_of("none") * self._mask).sum() / self._count
+
+
+class _Step:
+    """One step of the clients still stepping as ``LocalRule.direction`` reads it: w, g and the
+    rule's scratch entries stacked [L, ...] (one for all: without the client dimension), hp
+    (``rules.OneClient`` is the one-after-another form)."""
+
+    def __init__(self, trainer, stacks: dict, shared: dict, grads_T, batch: tuple, hp):
+        self.params, self.grads, self.hp = stacks["params"], grads_T, hp
+        self.scratch = {name: trainer._entry(name, stacks, shared) for name in trainer.step_keys}
+        self._given = dict(self.scratch)
+        self._trainer, self._stacks, self._batch = trainer, stacks, batch
+
+    def grads_at(self, shift_T) -> list[torch.Tensor]:
+        """Each client's gradient of the task's loss at w + shift (the step's batch and dropout
+        masks; its BatchNorm statistics discarded)."""
+        shifted_T = [p + e for p, e in zip(self.params, shift_T)]
+        return self._trainer._data(shifted_T, self._stacks["buffers"], *self._batch)[0]
+
+    @staticmethod
+    def norm(tensors) -> torch.Tensor:
+        """Each client's L2 norm over all of its rows of ``tensors`` ([L])."""
+        norms_TL = torch.stack([torch.linalg.vector_norm(t.flatten(1), dim=1) for t in tensors])
+        return torch.linalg.vector_norm(norms_TL, dim=0)
+
+    @staticmethod
+    def per_client(value, like):
+        """One value per client ([L]) shaped to broadcast over the stacked ``like``; a number or a
+        0-dim tensor as it is."""
+        return _per_client(value, like) if isinstance(value, torch.Tensor) and value.dim() == 1 else value
+
+    def keep(self, stacks: dict, shared: dict) -> set[str]:
+        """The scratch entries the direction replaced (FedSMOO's dual), into ``stacks``: each
+        client's from now on, back into its ctx.scratch when it leaves. Returns their names."""
+        replaced = set()
+        for name, value in self.scratch.items():
+            if value is self._given[name]:
+                continue
+            leaves = _as_leaves(value)
+            before = shared.pop(("scratch", name), None)
+            if before is not None:  # one for all until now: given the client dimension if it has none
+                L = self.params[0].shape[0]
+                leaves = [t.expand((L,) + t.shape).clone() if t.dim() == torch.as_tensor(b).dim() else t
+                          for t, b in zip(leaves, before)]
+            stacks[("scratch", name)] = leaves
+            replaced.add(name)
+        return replaced
+
+
+def _as_leaves(value) -> list:
+    """A scratch entry (a tensor, a list of tensors, or a number) as a list."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _one_for_all(values: list) -> bool:
+    """Whether every client's scratch entry is the same (equal numbers, or the same tensors)."""
+    if isinstance(values[0], (int, float)):
+        return all(v == values[0] for v in values)
+    where = lambda v: [(t.data_ptr(), t.shape, t.stride()) for t in _as_leaves(v)]  # noqa: E731
+    first = where(values[0])
+    return all(where(v) == first for v in values[1:])
 
 class _Batch:
     """What the masked BatchNorm and dropout layers of one forward read and write: the client's
@@ -264,6 +321,7 @@ def _check_buffers(model: nn.Module, layout: FlatLayout, cfg) -> None:
         raise ConfigError(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
 
 
+
 class BatchedTrainer:
     """Trains groups of clients side by side; one per run (it holds the model's functional form)."""
 
@@ -281,17 +339,28 @@ class BatchedTrainer:
         # dropout layers, and each one's input shape per sample (``_dropout_shapes``)
         self.dropouts, self.drop_shapes = dropout.layers(model), None
         self.batch, self.stat_names = _Batch(), []
-        self.net = net = _masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
+        self.net = _masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
+        self.represent = _Represent(self.net)  # (representation, output), for rules that read z (MOON)
+        # the rule's scratch entries (their forms: "list" of tensors, or "one" tensor or number),
+        # and for the group being trained: what every client shares, its frozen models, hp
+        self.step_keys = rules.step_keys(rule)
+        self.forms: dict[str, str] = {}
+        self.shared, self.frozen_count, self.hp = {}, 0, cfg.algorithm
 
-        def loss(params_T, buffers_T, x, y, mask, count, drops):
-            output = self._forward(net, params_T, buffers_T, x, mask, count, drops)
-            stats = self._collected()
-            return (task.loss(output, y, reduction="none") * mask).sum() / count, stats
+        def data_loss(params_T, buffers_T, x, y, mask, count, drops):
+            net = _NetAt(self, params_T, buffers_T, mask, count, drops, {}, [])
+            return rules.LocalRule.loss(rule, net, x, y, None)[0], net.stats
 
-        # per client: (gradients of the loss, (the loss, BatchNorm batch statistics)) at its own
-        # parameters, batch and dropout masks
-        self._plain = vmap(grad_and_value(loss, has_aux=True))
-        self._moon = self._moon_grad_and_loss(net, task, cfg.algorithm) if rule.name == "moon" else None
+        def rule_loss(params_T, buffers_T, x, y, mask, count, drops, inputs):
+            net = _NetAt(self, params_T, buffers_T, mask, count, drops, self._scratch(inputs), self._frozen(inputs))
+            objective, loss = rule.loss(net, x, y, self.hp)
+            return objective, (loss, net.stats)
+
+        # per client: (gradients of the loss, (the loss, aux)) at its own parameters, batch, dropout
+        # masks and rule inputs (``inputs``: the group's per-client stacks of the rule's entries);
+        # the task's loss alone for extra passes (SAM) and try_step
+        self._data = vmap(grad_and_value(data_loss, has_aux=True))
+        self._rule_grads = vmap(grad_and_value(rule_loss, has_aux=True))
 
     def _forward(self, net, params_T, buffers_T, x, mask, count, drops, prefix: str = "", training: bool = True):
         """``net`` at the given parameters and buffers, in training or eval mode; BatchNorm over
@@ -333,8 +402,8 @@ class BatchedTrainer:
         for name, module in self.net.named_modules():
             hooks += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
         try:
-            self._plain(self._stacked(flat_P, self.param_entries, 1), self._stacked(flat_P, self.buffer_entries, 1),
-                        x[None], y[None], mask, mask.sum(1), drops)
+            self._data(self._stacked(flat_P, self.param_entries, 1), self._stacked(flat_P, self.buffer_entries, 1),
+                       x[None], y[None], mask, mask.sum(1), drops)
         except RuntimeError as exc:
             where = f"its module {running[-1]} ({type(self.net.get_submodule(running[-1])).__name__})" \
                 if running and running[-1] else "its forward"
@@ -389,43 +458,40 @@ class BatchedTrainer:
         self.stat_names = self.batch.names
         return tuple(self.batch.stats)
 
-    def _moon_grad_and_loss(self, net, task, hp):
-        """MOON's loss per client (rules.Moon): the data loss plus mu times the contrastive
-        cross-entropy of [cos(z, z_glob), cos(z, z_prev)] / tau, the latter only for clients with
-        a previous model (``has_prev`` 1); the global and previous models in eval mode on their
-        own running statistics; (gradients, (loss, data loss, batch statistics)) per client."""
-        represent = _Represent(net)
 
-        def at(params_T, buffers_T, x, mask, count, drops, training=True):
-            return self._forward(represent, params_T, buffers_T, x, mask, count, drops, "net.", training)
+    def _entry(self, name: str, stacks: dict, shared: dict):
+        """The rule's scratch entry ``name`` for the direction: stacked [L, ...], or one for all."""
+        key = ("scratch", name)
+        leaves = stacks[key] if key in stacks else shared[key]
+        return list(leaves) if self.forms[name] == "list" else leaves[0]
 
-        def loss(params_T, buffers_T, x, y, mask, count, drops, global_T, global_buffers_T, prev_T, prev_buffers_T,
-                 has_prev):
-            z, output = at(params_T, buffers_T, x, mask, count, drops)
-            stats = self._collected()  # before the frozen models' forwards start afresh
-            data_loss = (task.loss(output, y, reduction="none") * mask).sum() / count
-            z_glob = at(global_T, global_buffers_T, x, mask, count, drops, training=False)[0].detach()
-            z_prev = at(prev_T, prev_buffers_T, x, mask, count, drops, training=False)[0].detach()
-            sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1),
-                                F.cosine_similarity(z, z_prev, dim=1)], dim=1) / hp.params["moon_tau"]
-            labels = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
-            contrast = (F.cross_entropy(sims, labels, reduction="none") * mask).sum() / count
-            return data_loss + has_prev * (hp.params["moon_mu"] * contrast), (data_loss, stats)
+    def _scratch(self, inputs: dict) -> dict:
+        """The rule's scratch entries under vmap: one client's rows of ``inputs``, or one for all."""
+        out = {}
+        for name in self.step_keys:
+            key = ("scratch", name)
+            leaves = inputs[key] if key in inputs else self.shared[key]
+            out[name] = list(leaves) if self.forms[name] == "list" else leaves[0]
+        return out
 
-        return vmap(grad_and_value(loss, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, 0, None, None, 0, 0, 0))
+    def _frozen(self, inputs: dict) -> list[tuple[list, list]]:
+        """The frozen models (parameters, buffers) under vmap: one client's, or one for all."""
+        n, models = len(self.param_entries), []
+        for i in range(self.frozen_count):
+            key = ("frozen", i)
+            tensors = inputs[key] if key in inputs else self.shared[key]
+            models.append((tensors[:n], tensors[n:]))
+        return models
 
-    def _gradients(self, params_T, stacks, shared, x, y, mask, count, drops):
-        """Per client: the gradients of its loss at its ``params_T`` (and its running statistics
-        ``stacks["buffers"]``) on its batch with its dropout masks ``drops``, its data loss (MOON's
-        without the contrastive term, as rules.Moon returns it), and its BatchNorm batch statistics
-        (mean, unbiased variance per layer in ``self.stat_names``' order, [L, C] each)."""
-        if self._moon is None:
-            grads_T, (loss_L, stats) = self._plain(params_T, stacks["buffers"], x, y, mask, count, drops)
-            return grads_T, loss_L, stats
-        grads_T, (_, (data_loss, stats)) = self._moon(
-            params_T, stacks["buffers"], x, y, mask, count, drops, shared["global"], shared["global_buffers"],
-            stacks["prev"], stacks["prev_buffers"], stacks["has_prev"][0])
-        return grads_T, data_loss, stats
+    def _gradients(self, stacks: dict, x, y, mask, count, drops):
+        """Per client: the gradients of the rule's objective at its parameters (and its running
+        statistics ``stacks["buffers"]``) on its batch with its dropout masks ``drops``, its data
+        loss (MOON's without the contrastive term), and its BatchNorm batch statistics (mean,
+        unbiased variance per layer in ``self.stat_names``' order, [L, C] each)."""
+        inputs = {key: value for key, value in stacks.items() if isinstance(key, tuple)}
+        grads_T, (_, (loss_L, stats)) = self._rule_grads(stacks["params"], stacks["buffers"], x, y, mask, count, drops,
+                                                         inputs)
+        return grads_T, loss_L, stats
 
     def _update_running_stats(self, buffers_T: list[torch.Tensor], stats) -> list[torch.Tensor]:
         """The stacked running statistics after one training forward, as torch's BatchNorm updates
@@ -444,48 +510,67 @@ class BatchedTrainer:
             new_T[i_var] = var_LC * factor + new_T[i_var] * (1 - factor)
         return new_T
 
+
     def _start_stacks(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, dict]:
         """The group's per-client tensors as stacks ([B, ...]) and the ones every client shares,
         after the rule's begin hooks: parameters and buffers from global_P, the rule's scratch
-        (FedProx's anchor, SCAFFOLD's correction, FedSMOO's duals), MOON's models."""
+        entries (FedProx's anchor, SCAFFOLD's correction, FedSMOO's duals, MOON's has_prev) and the
+        models of ctx.scratch["frozen_P"] (MOON's global and previous models)."""
         # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
         # the order of ``live``); one every client shares (FedProx's anchor: the global model)
-        # stays in ``shared`` and broadcasts.
+        # stays in ``shared`` and broadcasts. The rule's entries are keyed ("scratch", name).
         stacks, shared = {}, {}
-        for key in ("anchor", "correction", "mu", "s"):
-            if key in group[0][0].scratch:
-                views_BT = [ctx.scratch[key] for ctx, *_ in group]
-                if all(v.data_ptr() == w.data_ptr() for views_T in views_BT for v, w in zip(views_T, views_BT[0])):
-                    shared[key] = views_BT[0]
-                else:
-                    stacks[key] = [torch.stack(views_B) for views_B in zip(*views_BT)]
+        for name in self.step_keys:
+            values = [ctx.scratch[name] for ctx, *_ in group]
+            self.forms[name] = "list" if isinstance(values[0], (list, tuple)) else "one"
+            if _one_for_all(values):
+                shared[("scratch", name)] = _as_leaves(values[0])
+            elif isinstance(values[0], (int, float)):
+                stacks[("scratch", name)] = [torch.tensor([float(v) for v in values], device=device)]
+            else:
+                stacks[("scratch", name)] = [torch.stack(leaves_B) for leaves_B in zip(*map(_as_leaves, values))]
         stacks["params"] = self._stacked(global_P, self.param_entries, B)
         # each client's running statistics start from the global vector's, integers rounded as
         # FlatLayout.unflatten_into rounds them for the sequential path
         stacks["buffers"] = self._stacked(global_P, self.buffer_entries, B)
-        if self.rule.name == "moon":
-            # the global model (shared) and each client's previous one (its own, else the global:
-            # has_prev 0 leaves it out of the loss)
-            shared["global"] = [global_P[e.offset:e.offset + e.numel].view(e.shape) for e in self.param_entries]
-            shared["global_buffers"] = [t[0] for t in stacks["buffers"]]
-            prev_BP = torch.stack([ctx.state["prev_P"].to(device) if "prev_P" in ctx.state else global_P
-                                   for ctx, *_ in group])
-            stacks["prev"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
-                              for e in self.param_entries]
-            stacks["prev_buffers"] = [prev_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
-                                      for e in self.buffer_entries]
-            stacks["has_prev"] = [torch.tensor([float("prev_P" in ctx.state) for ctx, *_ in group], device=device)]
+        # frozen models, one list per client (MOON: the global model, then the previous one if
+        # the client has it); a shorter list is padded with its first model
+        frozen_B = [ctx.scratch.get("frozen_P", []) for ctx, *_ in group]
+        self.frozen_count = max(len(f) for f in frozen_B)
+        entries = self.param_entries + self.buffer_entries
+        for i in range(self.frozen_count):
+            flats_B = [f[i] if i < len(f) else f[0] for f in frozen_B]
+            if all(f is flats_B[0] for f in flats_B):
+                shared[("frozen", i)] = [flats_B[0][e.offset:e.offset + e.numel].view(e.shape) for e in entries]
+            else:
+                flat_BP = torch.stack([f.to(device) for f in flats_B])
+                stacks[("frozen", i)] = [flat_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
+                                         for e in entries]
         return stacks, shared
+
+    def _begin(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, dict]:
+        """The rule's hooks per client, as train_client calls them (the model holds global_P, in
+        training mode: SCAFFOLD option I's start gradient normalises with batch statistics), then
+        the group's stacks (``_start_stacks``)."""
+        rule, layout, tc = self.rule, self.layout, self.cfg.train
+        layout.unflatten_into(global_P, self.model)
+        self.model.train()
+        if self.dropouts and self.drop_shapes is None:
+            self.drop_shapes = self._dropout_shapes(group[0][1].x)
+        for ctx, data, seed, work, out in group:
+            if rule.needs_start_gradient(ctx.hp):
+                ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task, seed)
+            rule.begin(self.model, ctx)
+        return self._start_stacks(group, global_P, B, device)
 
     def train_group(self, group: list[tuple[ClientContext, object, int, int, dict]]) -> None:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
         client's report views as in ``train_client``) side by side and write their reports."""
         t_start = time.perf_counter()
-        cfg, tc, rule, layout, needs = self.cfg, self.cfg.train, self.rule, self.layout, self.needs
+        cfg, tc, rule, needs = self.cfg, self.cfg.train, self.rule, self.needs
         ctx0 = group[0][0]
-        hp, device, global_P = ctx0.hp, ctx0.global_P.device, ctx0.global_P
-        B = len(group)
-        schedules = [_Schedule(ctx.client_id, data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
+        device, global_P, B = ctx0.global_P.device, ctx0.global_P, len(group)
+        schedules = [Schedule(data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
                      for ctx, data, seed, work, out in group]
         steps_B = [s.steps for s in schedules]
         # the group's samples in one tensor, for one gather a step (augmentation draws per client)
@@ -497,23 +582,12 @@ class BatchedTrainer:
         for _, data, *_ in group[:-1]:
             offsets_B.append(offsets_B[-1] + len(data))
 
-        # rule hooks per client, as train_client calls them (model holds global_P, in training
-        # mode: SCAFFOLD option I's start gradient normalises with batch statistics)
-        layout.unflatten_into(global_P, self.model)
-        self.model.train()
-        if self.dropouts and self.drop_shapes is None:
-            self.drop_shapes = self._dropout_shapes(group[0][1].x)
-        for (ctx, data, seed, work, out) in group:
-            if rule.needs_start_gradient(hp):
-                ctx.scratch["start_grad_P"] = start_gradient(self.model, data, layout, tc.batch_size, ctx.task, seed)
-            if rule.name != "moon":  # MOON's begin makes frozen models; here its stacks below
-                rule.begin(self.model, ctx)
-        stacks, shared = self._start_stacks(group, global_P, B, device)
+        stacks, shared = self._begin(group, global_P, B, device)
+        self.shared, self.hp = shared, ctx0.hp
         optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
-
-        live = list(range(B))
+        live, replaced = list(range(B)), set()
         for step in range(max(steps_B)):
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
@@ -522,9 +596,11 @@ class BatchedTrainer:
                                                            group_y, [offsets_B[b] for b in live])
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            grads_T, loss_L, stats = self._gradients(stacks["params"], stacks, shared, x, y, mask, count, drops)
+            grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
             loss_sum_B[live] += loss_L.detach().double()
-            direction_T = self._direction(stacks, shared, grads_T, x, y, mask, count, drops, hp)
+            step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
+            direction_T = list(rule.direction(step_view))
+            replaced |= step_view.keep(stacks, shared)
             if stats:  # the step's one update of the running statistics (extra passes leave them)
                 stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)
             done = [j for j, b in enumerate(live) if steps_B[b] == step + 1]
@@ -533,35 +609,34 @@ class BatchedTrainer:
                     group[live[j]][4]["last_grad_P"].copy_(last_P)
             optimizer.step(stacks, direction_T, lr_L, step + 1, live)
             if done:
-                # a client that has taken its steps leaves the stacks with its parameters and
-                # state as they are (never stepped again, not even with a zero gradient)
-                for j, params_P in zip(done, self._flat_BP(stacks["params"], done, stacks["buffers"])):
-                    ctx, *_, out = group[live[j]]
-                    out["params_P"].copy_(params_P)
-                    if "mu" in stacks:  # FedSMOO's dual, which ctx.scratch["perturb_dual_P"] holds
-                        for view, mu in zip(ctx.scratch["mu"], stacks["mu"]):
-                            view.copy_(mu[j])
-                keep = [j for j in range(len(live)) if j not in done]
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}
-                live = [live[j] for j in keep]
+                stacks, live = self._leave(group, stacks, live, done, replaced)
 
         # -- the rest of each report, as train_client writes it --------------------------------
         seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
         for b, (ctx, data, seed, work, out) in enumerate(group):
             steps = steps_B[b]
-            layout.unflatten_into(out["params_P"], self.model)  # the client's trained model
-            rule.end(self.model, ctx, steps, lr_sum_B[b] / max(steps, 1), out)
-            out["train_loss"] = loss_sum_B[b] / max(steps, 1)
-            out["num_samples"] = torch.tensor(float(len(data)))
-            out["num_steps"] = torch.tensor(float(steps))
-            if "full_grad_KP" in needs:
-                out["full_loss"] = full_batch_gradient(self.model, data, layout, out["full_grad_P"], ctx.task)
-            if "eff_rank_KL" in needs:
-                        out["eff_rank_L"] = effective_ranks_L(self.model, layout, unfolding(hp))
+            self.layout.unflatten_into(out["params_P"], self.model)  # the client's trained model
+            finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), float(loss_sum_B[b]),
+                          out)
             out["train_time"] = seconds
 
-    def _batches(self, schedules: list[_Schedule], step: int, device, group_x, group_y, offsets: list[int]):
+    def _leave(self, group, stacks: dict, live: list[int], done: list[int], replaced: set[str]):
+        """The clients ``done`` (rows of the stacks) that have taken their steps leave the stacks
+        with their parameters and state as they are (never stepped again, not even with a zero
+        gradient): parameters into their report rows, the scratch entries the direction replaced
+        back into their ctx.scratch. Returns the remaining stacks and live clients."""
+        for j, params_P in zip(done, self._flat_BP(stacks["params"], done, stacks["buffers"])):
+            ctx, *_, out = group[live[j]]
+            out["params_P"].copy_(params_P)
+            for name in replaced:  # FedSMOO's dual, which its end hook reads
+                leaves = [t[j].clone() for t in stacks[("scratch", name)]]
+                ctx.scratch[name] = leaves if self.forms[name] == "list" else leaves[0]
+        keep = [j for j in range(len(live)) if j not in done]
+        index = torch.tensor(keep, dtype=torch.long, device=stacks["params"][0].device)
+        stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}
+        return stacks, [live[j] for j in keep]
+
+    def _batches(self, schedules: list[Schedule], step: int, device, group_x, group_y, offsets: list[int]):
         """This step's batches of the L clients, padded to the largest: x [L, S, ...], y [L, S],
         mask [L, S] (1 on a client's own samples), count [L] (its batch size), the dropout masks
         (``_dropout_masks``), and the rates.
@@ -569,7 +644,7 @@ class BatchedTrainer:
         row ``offsets[j]``), so the number of kernels does not grow with L; padding takes the
         group's first sample, which the mask leaves out."""
         if group_x is None:
-            batches = [s.augmented_batch(step) for s in schedules]
+            batches = [s.batch(step) for s in schedules]
             width = max(len(y) for _, y in batches)
             x0, y0 = batches[0]
             x = torch.zeros((len(batches), width) + tuple(x0.shape[1:]), dtype=x0.dtype, device=device)
@@ -624,33 +699,3 @@ class BatchedTrainer:
                 t = t.round()
             stacked.append(t.expand((B,) + e.shape).clone())
         return stacked
-
-    def _direction(self, stacks, shared, grads_T, x, y, mask, count, drops, hp):
-        """The step direction of the local rule per client (rules.py has the sequential forms);
-        FedSMOO's dual mu is updated in ``stacks`` on the way."""
-        name, scratch = self.rule.name, shared | stacks
-        params_T = stacks["params"]
-        if name in ("sam", "gam", "gam_cv"):
-            rho = hp.params["sam_rho"] if name == "sam" else hp.params["gam_rho"]
-            shift_T = _ascent(grads_T, rho, 1e-12)
-            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count, drops)
-            direction_T = adv_T if name == "sam" else [torch.add(g, a, alpha=hp.params["gam_alpha"] * rho)
-                                                       for g, a in zip(grads_T, adv_T)]
-        elif name == "smoo":
-            mu_T, s_T = scratch["mu"], scratch["s"]
-            shift_T = _ascent([g - m - s for g, m, s in zip(grads_T, mu_T, s_T)], hp.params["sam_rho"], 1e-7)
-            stacks["mu"] = [m + (e - s) for m, e, s in zip(mu_T, shift_T, s_T)]
-            adv_T = self._grads_at(stacks, shared, shift_T, x, y, mask, count, drops)
-            direction_T = [a + hp.params["smoo_lambda"] * (p - anc) for a, p, anc in zip(adv_T, params_T, scratch["anchor"])]
-        elif name == "prox":
-            direction_T = [g + hp.params["prox_mu"] * (p - a) for g, p, a in zip(grads_T, params_T, scratch["anchor"])]
-        else:
-            direction_T = list(grads_T)
-        if "correction" in scratch:  # SCAFFOLD, FedGAM-CV: c - c_k
-            direction_T = [d + c for d, c in zip(direction_T, scratch["correction"])]
-        return direction_T
-
-    def _grads_at(self, stacks, shared, shift_T, x, y, mask, count, drops):
-        """Gradients at w + shift (SAM's extra pass, with the step's dropout masks)."""
-        shifted_T = [p + e for p, e in zip(stacks["params"], shift_T)]
-        return self._gradients(shifted_T, stacks, shared, x, y, mask, count, drops)[0]  # statistics discarded
