@@ -168,7 +168,10 @@ def check_algorithm(cfg) -> list[str]:
         return [f"algorithm.name: {name!r} needs the server rule {server!r}, which is not available"]
     local = resolve(cfg.algorithm)[0]
     if local not in rules.RULES:
-        return [f"algorithm.local: unknown local rule {local!r} (valid: auto, {', '.join(rules.RULES)})"]
+        near = close_match(local, rules.RULES)
+        hint = f", did you mean {near}?" if near else ""
+        return [f"algorithm.local: unknown local rule {local!r}{hint} (valid: auto, {', '.join(rules.RULES)}, or "
+                "module:attr, your LocalRule subclass: docs/extending.md)"]
     param_errors, given = _check_params(cfg.algorithm.params, name, local, server)
     # the pair is judged with the values that passed (a refused one is at its default)
     return _check_pair(cfg, local, server, params_of(given, name, local, server)) + param_errors

@@ -245,8 +245,10 @@ class AlgorithmConfig:
                               "rule (docs/extending.md).")
     local: str = opt("auto", "Client-side local rule; auto: the one algorithm.name implies. Another rule "
                              "composes with the name's server rule, e.g. name = fedgma with local = prox, "
-                             "or name = feder with local = gam. module:attr: your LocalRule subclass.",
-                     ("auto", "plain", "prox", "scaffold", "moon", "sam", "gam", "gam_cv", "smoo", "clip"), plugin=True)
+                             "or name = feder with local = gam. module:attr: your LocalRule subclass. The "
+                             "built-in rules (plain, prox, scaffold, moon, sam, gam, gam_cv, smoo, clip) are "
+                             "the registry's (fedddp.registry.LOCAL_RULES: a new one registers in its own "
+                             "file), checked when the config loads.", plugin=True)
     params: dict = opt({}, "The server and local rules' own hyperparameters (each rule declares its names, "
                            "defaults and checks; python -m fedddp --help lists the built-ins'). [algorithm.params] "
                            "NAME = value for the run's rules (a name they do not declare is refused), or "

@@ -180,7 +180,7 @@ def test_config_toml_and_start_line_show_the_resolved_algorithm(tmp_path, capsys
     stderr = capsys.readouterr().err
     start = [line for line in stderr.splitlines() if line.startswith("fedddp:") and "rank(s) on" in line]
     assert len(start) == 1, stderr
-    assert "fedgam: gam clients, fedavg server rule, uniform weights; aggregation:" in start[0], start[0]
+    assert "fedgam: gam clients, fedavg server rule, uniform weights; 10 of 30 clients a round; aggregation:" in start[0], start[0]
     written = (tmp_path / "config.toml").read_text()
     assert 'weighting = "uniform"' in written and 'weighting = "auto"' not in written
 
