@@ -64,7 +64,7 @@ step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c1
 step aggregation_scale 120 python3 bench/aggregation_scale.py --device cuda --ranks 1 --clients 8 32 64
 step parallel_clients 180 python3 bench/parallel_clients.py --device cuda
 step round_vs_loop 120 python3 bench/round_vs_loop.py --data-root "$root"
-for B in 1 100; do  # the runs' folders stay out of $OUT (a lease returns few files); their metrics join the log
+for B in 1 100 auto; do  # auto: the B run.parallel_clients=auto picks from free memory (its start line says); the runs' folders stay out of $OUT (a lease returns few files); their metrics join the log
     runs=/tmp/fedddp_gpu_runs/mnist_cnn_B$B
     step mnist_cnn 90 python3 -m fedddp configs/mnist_cnn.toml "data.root=$root" run.device=cuda \
         data.num_clients=100 run.clients_per_round=100 run.rounds=3 run.ckpt_every=0 \
