@@ -741,7 +741,7 @@ def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int], re
     loss, stacks) on rank 0.
     Sharded: the rule on every rank's range (``_aggregate_ranges``)."""
     if run.sharded is not None:
-        return _aggregate_ranges(run, comm, round_idx, rows_KF, reported)
+        return _aggregate_ranges(run, comm, round_idx, rows_KF, reported, reporting)
     cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     if comm.is_main:
         try:
@@ -751,11 +751,7 @@ def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int], re
                                                                               cfg.algorithm)
             if reported:
                 train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
-            if run.strategy.ledger is not None:
-                diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))
-            if run.strategy.spent is not None:
-                eps = run.strategy.spent(run.state, run.static, cfg.algorithm) if reporting else None
-                diagnostics["epsilon"] = torch.tensor(eps, dtype=torch.float64) if eps is not None else None
+            diagnostics.update(_state_rows(run, reporting))
         except PluginError as exc:  # a plugin rule's own failure: every rank ends with its status
             error = exc
         if error is None and not ((train_loss is None or math.isfinite(train_loss))
@@ -765,19 +761,34 @@ def aggregate(run: Setup, comm, round_idx: int, rows_KF, reported: list[int], re
     return diagnostics, train_loss, stacks
 
 
-def _aggregate_ranges(run: Setup, comm, round_idx: int, rows_KX, reported: list[int]):
+def _state_rows(run: Setup, reporting: bool) -> dict:
+    """Rank 0's rows on the server state itself: the rule's ledger (every round) and the privacy
+    spent (epsilon, on the rounds that evaluate; None on the others)."""
+    rows, strategy, hp = {}, run.strategy, run.cfg.algorithm
+    if strategy.ledger is not None:
+        rows.update(strategy.ledger(run.state, run.static, hp))
+    if strategy.spent is not None:
+        eps = strategy.spent(run.state, run.static, hp) if reporting else None
+        rows["epsilon"] = torch.tensor(eps, dtype=torch.float64) if eps is not None else None
+    return rows
+
+
+def _aggregate_ranges(run: Setup, comm, round_idx: int, rows_KX, reported: list[int], reporting: bool):
     """``aggregate`` of a sharded run: every rank runs the rule's range form on its columns (the
-    new range waits for ``broadcast_model``); the train loss, from every client's scalars, is
-    the same on every rank. One all-reduce tells rank 0 whether any rank's range is not finite
-    or its plugin rule raised; rank 0's verdict then reaches every rank."""
+    new range waits for ``broadcast_model``; a private rule under Poisson sampling also without
+    reports); the train loss, from every client's scalars, is the same on every rank, and so is
+    the state's scalars that rank 0's ledger and privacy spent read. One all-reduce tells rank 0
+    whether any rank's range is not finite or its plugin rule raised; rank 0's verdict then
+    reaches every rank."""
     cfg, diagnostics, train_loss, stacks, error = run.cfg, {}, None, {}, None
     try:
-        if reported:
+        if reported or run.every_round:
             stacks, run.state, diagnostics = run.sharded.aggregate(run.strategy, run.global_P, rows_KX, run.state,
                                                                    cfg.algorithm)
+        if reported:
             train_loss = (strategies.client_weights_K(stacks, cfg.algorithm) @ stacks["train_loss_K"]).item()
-        if comm.is_main and run.strategy.ledger is not None:
-            diagnostics.update(run.strategy.ledger(run.state, run.static, cfg.algorithm))
+        if comm.is_main:
+            diagnostics.update(_state_rows(run, reporting))
     except PluginError as exc:  # a plugin rule's own failure: this rank says it, every rank ends
         error = exc
     flags = torch.tensor([float(error is not None), float(not run.sharded.range_finite())], dtype=torch.float64,

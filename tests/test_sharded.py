@@ -5,7 +5,9 @@ In process: every built-in rule's range form (``aggregate_span``) on W = 1..4 si
 (one thread each, their block rows and ranges exchanged through a barrier) against its gathered
 form, in the fused and the torch-op forms; the blocks; the checkpoint's server shards. In
 processes: real torchruns of every rule (dropouts, side by side, per-client state, a plugin that
-runs gathered) on 1-4 ranks against the gathered run, and resumes across world sizes and modes.
+runs gathered; the DP rules with Poisson and fixed sampling, adaptive clipping, the noise cohort
+and a round without reports) on 1-4 ranks against the gathered run, and resumes across world
+sizes and modes. Only the torchruns of the selected tests run (``-k dpfed``: the DP rules').
 Legend: K clients, P flat elements, W ranks.
 """
 
@@ -30,11 +32,15 @@ PLUGIN = os.path.join(REPO, "examples", "my_plugin.toml")
 
 K, P, WIDTH, LAYERS = 7, 1000, 64, 3
 RULES = ["fedavg", "fedmom", "fedcong", "fedgma", "cgw", "feder", "scaffold", "fedgam_cv", "fednova", "fedsmoo",
-         "dpfedavg", "fedadam"]
+         "dpfedavg", "dpfedmom", "fedadam"]
+# a rule's own settings on top of _inputs' (DP-FedMom: adaptive clipping from a clip that some of
+# the updates exceed, and the noise cohort)
+RULE_PARAMS = {"dpfedmom": {"dp_clip": 3.16, "dp_adaptive_quantile": 0.5, "dp_adaptive_count_noise": 2.0,
+                            "dp_noise_cohort": 20}}
 # diagnostics whose bits the range form keeps from the gathered one (the others are per-block sums)
 SAME_DIAGNOSTICS = {"cgw_x_K", "cgw_weight_K", "cgw_grad_norm_K", "cgw_c", "cgw_zero_grad_clients", "tau_eff",
                     "control_norm", "dual_norm", "clipped_fraction", "feder_alpha_KL", "cong_positive",
-                    "cong_negative", "mask_density"}
+                    "cong_negative", "mask_density", "unclipped_fraction_noised"}
 
 
 # -- blocks -----------------------------------------------------------------------------------------
@@ -79,7 +85,7 @@ def test_range_rows_align_and_carry_the_scalars():
 
 # -- every rule's range form on simulated ranks -----------------------------------------------------
 
-def _inputs(seed: int):
+def _inputs(seed: int, **params):
     g = torch.Generator().manual_seed(seed)
     global_P = torch.randn(P, generator=g)
     group_P = torch.cat([torch.full((30,), -1), torch.sort(torch.randint(0, LAYERS, (P - 30,), generator=g)).values])
@@ -93,8 +99,9 @@ def _inputs(seed: int):
               "noise_seed": torch.tensor(3), "aggregation_block": torch.tensor(WIDTH)}
     for name in ("last_grad_KP", "full_grad_KP", "control_delta_KP", "perturb_dual_KP"):
         stacks[name] = torch.randn(K, P, generator=g)
-    hp = hp_of(server_momentum=0.9, cong_alpha=0.6, gma_threshold=0.6, cgw_alpha=0.1, dp_clip=0.5,
-               dp_noise=0.5, server_lr=0.7, sam_rho=0.1, eta=1e-2, beta1=0.9, beta2=0.99, tau=1e-3)
+    hp = hp_of(**{"server_momentum": 0.9, "cong_alpha": 0.6, "gma_threshold": 0.6, "cgw_alpha": 0.1, "dp_clip": 0.5,
+                  "dp_noise": 0.5, "server_lr": 0.7, "sam_rho": 0.1, "eta": 1e-2, "beta1": 0.9, "beta2": 0.99,
+                  "tau": 1e-3} | params)
     return global_P, stacks, hp
 
 
@@ -151,7 +158,7 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
 def test_range_form_is_the_gathered_rule_on_any_number_of_ranks(rule, form):
     torch.set_num_threads(1)
     strategy = strategies.get(rule)
-    global_P, stacks, hp = _inputs(seed=RULES.index(rule))
+    global_P, stacks, hp = _inputs(seed=RULES.index(rule), **RULE_PARAMS.get(rule, {}))
     with kernels.forced(form):
         state = strategy.init_state(global_P, hp)
         if state:   # a state that is not round 1's: one gathered round first
@@ -168,6 +175,21 @@ def test_range_form_is_the_gathered_rule_on_any_number_of_ranks(rule, form):
                          {k: v for k, v in want_diag.items() if k in SAME_DIAGNOSTICS}, f"{rule} diagnostics")
             seen = seen or diag_R[0]
             _assert_same(diag_R[0], seen, f"{rule} diagnostics on {world} ranks")
+
+
+@pytest.mark.parametrize("rule", ["dpfedavg", "dpfedmom"])
+def test_a_private_round_without_reports_is_the_gathered_one_on_any_number_of_ranks(rule):
+    """Poisson's empty cohort: the noise alone moves the model (and the clip), the same bits."""
+    strategy = strategies.get(rule)
+    global_P, stacks, hp = _inputs(seed=11, **RULE_PARAMS.get(rule, {}))
+    stacks = {k: v[:0] if k.endswith(("_KP", "_K", "_KL")) else v for k, v in stacks.items()}
+    state = strategy.init_state(global_P, hp)
+    want_P, want_state, _ = strategy.aggregate(global_P, stacks, state, hp)
+    assert not torch.equal(want_P, global_P)
+    for world in (1, 2, 3, 4):
+        new_P, new_state, _ = _on_ranks(strategy, global_P, stacks, state, hp, world)
+        assert torch.equal(new_P, want_P), f"{rule} on {world} ranks"
+        _assert_same(new_state, want_state, f"{rule} state on {world} ranks")
 
 
 def test_a_rank_without_blocks_still_takes_part():
@@ -220,6 +242,8 @@ def test_server_shards_read_back_over_any_columns(tmp_path):
 BASE = ["run.rounds=3", "run.eval_every=3", "run.ckpt_every=0", "run.aggregation_block=64"]
 CNN = ["data.name=examples.my_plugin:blobs", "data.num_clients=12", "data.partition=natural",
        "model.name=examples.my_plugin:SmallCNN", "run.clients_per_round=6", "train.batch_size=16", "train.lr=0.05"]
+DPFEDMOM = ["algorithm.name=dpfedmom", "algorithm.dp_clip=1.0", "algorithm.dp_noise=0.5",
+            "algorithm.params.dp_adaptive_quantile=0.5", "algorithm.params.dp_noise_cohort=20"]
 # name -> overrides of configs/quickstart.toml (P = 610: 10 blocks of 64; the CNN: 4340, 68 blocks)
 RUNS = {
     "fedavg": ["algorithm.name=fedavg", "algorithm.server_lr=0.5"],
@@ -232,7 +256,12 @@ RUNS = {
     "fedgam_cv": ["algorithm.name=fedgam_cv"],
     "fednova": ["algorithm.name=fednova", "train.momentum=0.5", "train.local_work_min=1", "train.local_epochs=3"],
     "fedsmoo": ["algorithm.name=fedsmoo"],
-    "dpfedavg": ["algorithm.name=dpfedavg", "algorithm.dp_clip=1.0", "algorithm.dp_noise=0.5"],
+    "dpfedavg": ["algorithm.name=dpfedavg", "algorithm.dp_clip=1.0", "algorithm.dp_noise=0.5"],   # Poisson
+    "dpfedavg-fixed-dropout": ["algorithm.name=dpfedavg", "algorithm.dp_clip=1.0", "algorithm.dp_noise=0.5",
+                               "run.sampling=fixed", "algorithm.params.dp_accountant=rdp", "run.dropout=0.3"],
+    "dpfedmom-adaptive-cohort": DPFEDMOM,
+    # q N = 0.9: round 4's Poisson cohort is empty, and the mechanism still runs (noise alone)
+    "dpfedmom-empty-round": DPFEDMOM + ["run.clients_per_round=0", "run.participation=0.03", "run.rounds=4"],
     "fedadam": ["algorithm.name=fedadam"],
     "participation": ["algorithm.name=fedmom", "run.dropout=0.2", "train.local_work_min=1", "train.local_epochs=3",
                       "run.deadline_steps=20"],
@@ -241,7 +270,9 @@ RUNS = {
 }
 # resumed across world sizes and modes: (stopping run's ranks and mode, resuming run's ranks and mode)
 RESUMES = {"fedadam": ((3, "sharded"), (2, "sharded")), "fedsmoo": ((4, "sharded"), (1, "gather")),
-           "fedmom": ((4, "gather"), (3, "sharded")), "scaffold-dropout": ((1, "sharded"), (2, "sharded"))}
+           "fedmom": ((4, "gather"), (3, "sharded")), "scaffold-dropout": ((1, "sharded"), (2, "sharded")),
+           "dpfedmom-adaptive-cohort": ((4, "sharded"), (2, "sharded")),
+           "dpfedavg-fixed-dropout": ((1, "gather"), (2, "sharded"))}
 # the torchruns in order; a resume runs in the first one of its world size after its stop's
 SCHEDULE = (4, 3, 2, 1, 2)
 
@@ -251,14 +282,16 @@ def _args(name: str, out, mode: str, extra=()) -> list[str]:
     return [config] + BASE + RUNS[name] + [f"run.aggregation={mode}", f"run.out_dir={out}", *extra]
 
 
-def _batches(root) -> list[list[list[str]]]:
+def _batches(root, names) -> list[list[list[str]]]:
     batches = [[] for _ in SCHEDULE]
     first = {w: SCHEDULE.index(w) for w in SCHEDULE}
     for world in (1, 2, 3, 4):
-        batches[first[world]] += [_args(n, root / f"{n}-sharded{world}", "sharded") for n in RUNS]
-    batches[first[1]] += [_args(n, root / f"{n}-gather", "gather") for n in RUNS]
+        batches[first[world]] += [_args(n, root / f"{n}-sharded{world}", "sharded") for n in RUNS if n in names]
+    batches[first[1]] += [_args(n, root / f"{n}-gather", "gather") for n in RUNS if n in names]
     four = ["run.rounds=4", "run.ckpt_every=1"]
     for name, ((w_stop, m_stop), (w_resume, m_resume)) in RESUMES.items():
+        if name not in names:
+            continue
         batches[first[1]].append(_args(name, root / f"{name}-whole", "gather", four))
         at = first[w_stop]
         batches[at].append(_args(name, root / f"{name}-resume", m_stop, four + ["run.stop_after=2"]))
@@ -267,13 +300,22 @@ def _batches(root) -> list[list[list[str]]]:
     return batches
 
 
+def _selected(session) -> set[str]:
+    """The RUNS names that this module's selected tests take (``-k dpfed`` runs only theirs)."""
+    return {item.callspec.params["name"] for item in session.items
+            if getattr(item, "module", None) is not None and item.module.__name__ == __name__
+            and "name" in getattr(getattr(item, "callspec", None), "params", {})}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every RUNS config sharded on 1-4 ranks and gathered on 1, and the RESUMES stopped after
-    round 2 (4 rounds, a checkpoint every round) and resumed on another world size or mode."""
+def runs(tmp_path_factory, request):
+    """Every selected RUNS config sharded on 1-4 ranks and gathered on 1, and the selected
+    RESUMES stopped after round 2 (4 rounds, a checkpoint every round) and resumed on another
+    world size or mode."""
     root = tmp_path_factory.mktemp("sharded")
-    for world, batch in zip(SCHEDULE, _batches(root)):
-        run_fedddp_each(batch, world, config=None, env={"FEDDDP_KERNELS": "c"}, timeout=1500)
+    for world, batch in zip(SCHEDULE, _batches(root, _selected(request.session))):
+        if batch:
+            run_fedddp_each(batch, world, config=None, env={"FEDDDP_KERNELS": "c"}, timeout=1500)
     return root
 
 
@@ -289,6 +331,10 @@ def test_sharded_runs_equal_the_gathered_run_on_1_to_4_ranks(runs, name):
     for other in rows[1:]:  # the same clients, reports and train losses on every world size
         assert [(r["num_reports"], r["train_loss"]) for r in other] == [(r["num_reports"], r["train_loss"])
                                                                         for r in rows[0]]
+    # the state's own rows (DP: the clip, moving with adaptive clipping, and epsilon) as gathered
+    ledger = [{k: r.get(k) for k in ("dp_clip", "epsilon")} for r in metrics(runs / f"{name}-gather")]
+    for other in rows:
+        assert [{k: r.get(k) for k in ("dp_clip", "epsilon")} for r in other] == ledger
 
 
 @pytest.mark.processes

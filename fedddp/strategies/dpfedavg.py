@@ -66,6 +66,15 @@ One step's PLD (or RDP curve) depends on (z, q) (or (z, K, N)) only and is compu
 T steps are its T-fold composition, as the accountants compose them. PLD's composition takes
 0.1-4 s, so the runtime asks for epsilon on the rounds that evaluate (and the last), not every round.
 
+Blocks (run.aggregation = sharded, and the gathered form alike): the clip norms ||d_k|| are float64
+sums of squares per block of run.aggregation_block columns, added over the blocks in block order
+(``update_norms_K``, Span.total), then the square root, so they, the clip factors, the count of
+unclipped updates and the next clip are the same bits on every rank and world size; with one
+block (P <= the block) they are the norms of the whole d_k as before. The noise vector is drawn
+whole on every rank and each rank takes its columns. The range form (``aggregate_span``) then
+walks its blocks with the gathered form's per-column ops, so sharded equals gathered bit for bit;
+dp_steps and dp_clip are scalars on every rank, DP-FedMom's previous_P a ranged entry (FedMom's).
+
 Composes with any local rule whose server rule this can replace (algorithm.local = plain,
 prox, sam, gam, moon); every other server rule is refused: they reweight, mask, normalise or
 carry state across clients' raw updates, which voids the C / K bound.
@@ -78,12 +87,13 @@ import contextlib
 import functools
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
 from ..sampling import _mix
 from ..params import at_least_zero, in_unit, one_of, positive
-from .base import Strategy, register, server_step, weighted_mean_P
+from .base import Span, Strategy, block_width, register, server_step, weighted_mean_P
 
 _NOISE_STREAM = 0xD9_0153
 _COUNT_STREAM = 0xD9_C047
@@ -122,47 +132,121 @@ def init_state(global_P, hp):
             "dp_clip": torch.tensor(float(hp.params["dp_clip"]), dtype=torch.float64)}
 
 
-def private_mean(global_P, stacks, state, hp):
-    """The mechanism: per-client clip factors from the update norms, the weighted sum of the
-    clipped updates over K, Gaussian noise, and (adaptive clipping) the next round's clip from
-    the noised count of unclipped updates. (the noised mean as a model, its state, diagnostics)."""
+class _Release(NamedTuple):
+    """What one aggregation computes over the whole vector, the same bits on every rank: the
+    clipped clients' weights s_k / K, w's own weight 1 - sum_k s_k / K, the whole noise vector
+    [P] (None without noise) and its factor z_Delta C / m, the new state's scalars and the
+    diagnostics."""
+    weights_K: torch.Tensor
+    stay: torch.Tensor
+    noise_P: torch.Tensor | None
+    noise_scale: torch.Tensor | None
+    state: dict
+    diagnostics: dict
+
+    def columns(self, global_P, params_KP, cols: slice) -> torch.Tensor:
+        """The noised mean over the columns ``cols`` of the whole vector (global_P and params_KP
+        cut to them): per column the same ops as over the whole vector."""
+        sum_P = weighted_mean_P(self.weights_K, params_KP) if params_KP.shape[0] else torch.zeros_like(global_P)
+        new_P = sum_P + self.stay * global_P
+        if self.noise_P is not None:
+            new_P = new_P + self.noise_P[cols] * self.noise_scale
+        return new_P
+
+
+def update_norms_K(params_KP: torch.Tensor, global_P: torch.Tensor, span: Span) -> torch.Tensor:
+    """||w_k - w|| over the whole vector, float64: per block the norm of the block's d_k, whose
+    squares are added over every block in block order (Span.total), then the square root. One
+    block gives the norm of the whole d_k itself (sqrt(x * x) is x in binary floating point)."""
+    rows = [torch.linalg.vector_norm(params_KP[:, b] - global_P[b], dim=1, dtype=torch.float64).square()
+            for b in span.blocks]
+    return span.total(rows, params_KP.shape[0]).sqrt()
+
+
+def _noise_P(numel: int, like: torch.Tensor, seed: int, steps) -> torch.Tensor:
+    """The server's noise N(0, 1) for the whole vector [P], from (run.seed, aggregation count):
+    the range form draws it whole on every rank too and takes its columns, so its bits do not
+    depend on the ranks."""
+    gen = torch.Generator(device=like.device).manual_seed(_mix(_NOISE_STREAM, seed, int(steps)))
+    return torch.randn((numel,), generator=gen, device=like.device, dtype=like.dtype)
+
+
+def _next_clip(norms_K, clip: float, stacks, hp, sigma_count: float, cohort: float, steps) -> tuple[float, dict]:
+    """Adaptive clipping's next clip from the noised count of unclipped updates (a global scalar:
+    the norms are the whole vector's on every rank, the count's noise a CPU draw from the seed),
+    and its diagnostic; the clip as it is without adaptive clipping."""
+    if hp.params["dp_adaptive_quantile"] <= 0:
+        return clip, {}
+    centred = float((norms_K <= clip).sum()) - norms_K.shape[0] / 2  # sum_k (b_k - 1/2)
+    if sigma_count > 0:  # std sigma_b K / m: the deployment's sigma_b / m on the fraction
+        gen = torch.Generator().manual_seed(_mix(_COUNT_STREAM, int(stacks["noise_seed"]), int(steps)))
+        centred += float(torch.randn((), generator=gen, dtype=torch.float64)) * sigma_count * float(
+            stacks["num_sampled"]) / cohort
+    below = centred / float(stacks["num_sampled"]) + 0.5  # b~, the noised fraction within C
+    next_clip = clip * math.exp(-hp.params["dp_adaptive_lr"] * (below - hp.params["dp_adaptive_quantile"]))
+    return next_clip, {"unclipped_fraction_noised": torch.tensor(below, dtype=torch.float64)}
+
+
+def release(global_P, stacks, state, hp, span: Span) -> _Release:
+    """The mechanism's whole-vector part: per-client clip factors from the update norms (float64
+    per-block sums in block order over every rank's blocks), the shares over K, the noise and
+    (adaptive clipping) the next round's clip from the noised count of unclipped updates."""
     params_KP = stacks["params_KP"]
     num_sampled = stacks["num_sampled"].to(params_KP.dtype)  # K, or the expected cohort q N
     clip = float(state["dp_clip"]) if "dp_clip" in state else hp.params["dp_clip"]
-    norms_K = torch.linalg.vector_norm(params_KP - global_P, dim=1, dtype=torch.float64)
+    norms_K = update_norms_K(params_KP, global_P, span)
     scale_K = _factors_K(norms_K, clip, params_KP.dtype)
     share_K = torch.ones_like(scale_K) / num_sampled  # FedAvg's uniform weights when all report
     # w's own weight 1 - sum_k s_k / K, as sums that are exactly 0 when every sampled client
     # reported within the bound (so the neutral setting keeps FedAvg's bits); 1 without reports
     stay = (share_K * (1 - scale_K)).sum() + (num_sampled - scale_K.shape[0]) / num_sampled
-    sum_P = weighted_mean_P(share_K * scale_K, params_KP) if scale_K.shape[0] else torch.zeros_like(global_P)
-    new_global_P = sum_P + stay * global_P
     steps = state["dp_steps"] + 1
     cohort, z_update, sigma_count = calibration(hp.params, float(stacks["num_sampled"]))
-    seed = int(stacks["noise_seed"])
+    noise_P = noise_scale = None
     if z_update > 0:
-        gen = torch.Generator(device=global_P.device).manual_seed(_mix(_NOISE_STREAM, seed, int(steps)))
-        noise_P = torch.randn(global_P.shape, generator=gen, device=global_P.device, dtype=global_P.dtype)
+        noise_P = _noise_P(span.numel, global_P, int(stacks["noise_seed"]), steps)
         # std z C / m on the mean: m = K (the noise on the sum z C) or the noise cohort (z C K / m)
         over = num_sampled if not hp.params["dp_noise_cohort"] else num_sampled.new_tensor(float(cohort))
-        new_global_P = new_global_P + noise_P * (z_update * clip / over)
-    diagnostics = {"clipped_fraction": (scale_K < 1).float().mean()}
-    next_clip = clip
-    if hp.params["dp_adaptive_quantile"] > 0:
-        centred = float((norms_K <= clip).sum()) - scale_K.shape[0] / 2  # sum_k (b_k - 1/2)
-        if sigma_count > 0:  # std sigma_b K / m: the deployment's sigma_b / m on the fraction
-            gen = torch.Generator().manual_seed(_mix(_COUNT_STREAM, seed, int(steps)))
-            centred += float(torch.randn((), generator=gen, dtype=torch.float64)) * sigma_count * float(
-                stacks["num_sampled"]) / cohort
-        below = centred / float(stacks["num_sampled"]) + 0.5  # b~, the noised fraction within C
-        next_clip = clip * math.exp(-hp.params["dp_adaptive_lr"] * (below - hp.params["dp_adaptive_quantile"]))
-        diagnostics["unclipped_fraction_noised"] = torch.tensor(below, dtype=torch.float64)
-    return new_global_P, {"dp_steps": steps, "dp_clip": torch.tensor(next_clip, dtype=torch.float64)}, diagnostics
+        noise_scale = z_update * clip / over
+    next_clip, count_diagnostics = _next_clip(norms_K, clip, stacks, hp, sigma_count, cohort, steps)
+    diagnostics = {"clipped_fraction": (scale_K < 1).float().mean()} | count_diagnostics
+    new_state = {"dp_steps": steps, "dp_clip": torch.tensor(next_clip, dtype=torch.float64)}
+    return _Release(share_K * scale_K, stay, noise_P, noise_scale, new_state, diagnostics)
+
+
+def private_mean(global_P, stacks, state, hp):
+    """The mechanism over the whole vector: (the noised mean as a model, its state, diagnostics).
+    The clip norms are summed per block in block order (the static aggregation_block; one block
+    without it), as the range form sums them."""
+    numel = global_P.shape[0]
+    rel = release(global_P, stacks, state, hp, Span.whole(numel, block_width(stacks, numel), global_P.device))
+    return rel.columns(global_P, stacks["params_KP"], slice(0, numel)), rel.state, rel.diagnostics
+
+
+def private_span(global_P, stacks, state, hp, span, momentum: float | None = None):
+    """The range form: the whole-vector part over every rank's blocks, then block by block over
+    this rank's range, the noise's columns taken from the whole vector, the server step and (DP-
+    FedMom: ``momentum``) m (w - w_prev) on each block. (new range, new state, diagnostics)."""
+    rel = release(global_P, stacks, state, hp, span)
+    params_KP, new_P = stacks["params_KP"], torch.empty_like(global_P)
+    for b in span.blocks:
+        cols = slice(span.start + b.start, span.start + b.stop)
+        new_B = server_step(global_P[b], rel.columns(global_P[b], params_KP[:, b], cols), hp.server_lr)
+        if momentum is not None:
+            new_B = new_B.add_(torch.sub(global_P[b], state["previous_P"][b]), alpha=momentum)
+        new_P[b] = new_B
+    return new_P, rel.state, rel.diagnostics
 
 
 def aggregate(global_P, stacks, state, hp):
     new_global_P, new_state, diagnostics = private_mean(global_P, stacks, state, hp)
     return server_step(global_P, new_global_P, hp.server_lr), new_state, diagnostics
+
+
+def aggregate_span(global_P, stacks, state, hp, span):
+    """DP-FedAvg on this rank's range (Strategy.aggregate_span): the gathered bits on any number
+    of ranks."""
+    return private_span(global_P, stacks, state, hp, span)
 
 
 def init_state_momentum(global_P, hp):
@@ -178,6 +262,16 @@ def aggregate_momentum(global_P, stacks, state, hp):
         torch.sub(global_P, state["previous_P"]), alpha=float(hp.params["server_momentum"]))
     diagnostics["velocity_norm"] = torch.linalg.vector_norm(new_global_P - global_P)
     return new_global_P, new_state | {"previous_P": global_P}, diagnostics
+
+
+def aggregate_momentum_span(global_P, stacks, state, hp, span):
+    """DP-FedMom on this rank's range: previous_P is the range's (ranged state, as FedMom's);
+    velocity_norm from float64 per-block sums of squares added in block order."""
+    new_P, new_state, diagnostics = private_span(global_P, stacks, state, hp, span,
+                                                 float(hp.params["server_momentum"]))
+    sq_rows = [torch.sub(new_P[b], global_P[b]).double().square().sum() for b in span.blocks]
+    diagnostics["velocity_norm"] = span.total(sq_rows, 1)[0].sqrt().to(global_P.dtype)
+    return new_P, new_state | {"previous_P": global_P.clone()}, diagnostics
 
 
 def ledger(state, static, hp):
@@ -309,12 +403,13 @@ def check_params(params: dict) -> list[str]:
     return errors
 
 
-DP_NEEDS = frozenset({"num_sampled", "num_clients", "noise_seed", "sampling_rate", "poisson"})
+DP_NEEDS = frozenset({"num_sampled", "num_clients", "noise_seed", "sampling_rate", "poisson", "aggregation_block"})
 DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger, spent=spent,
                              needs=DP_NEEDS, doc=__doc__, takes_server_lr=True, private=True, params=PARAMS,
-                             check_params=check_params, param_docs=PARAM_DOCS))
+                             check_params=check_params, param_docs=PARAM_DOCS, aggregate_span=aggregate_span))
 DPFEDMOM = register(Strategy(
     "dpfedmom", aggregate_momentum, init_state=init_state_momentum, ledger=ledger, spent=spent, needs=DP_NEEDS,
     doc=__doc__, takes_server_lr=True, private=True, params=PARAMS | {"server_momentum": 0.9},
     check_params=lambda params: check_params(params) + in_unit(params, "server_momentum"),
-    param_docs=PARAM_DOCS | {"server_momentum": "FedMom server momentum delta_m (0 gives FedAvg)."}))
+    param_docs=PARAM_DOCS | {"server_momentum": "FedMom server momentum delta_m (0 gives FedAvg)."},
+    aggregate_span=aggregate_momentum_span))
