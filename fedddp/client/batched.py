@@ -75,7 +75,7 @@ from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..models import dropout
 from ..registry import LOCAL_RULES, resolve
-from . import rules
+from . import precision, rules
 from . import ClientContext, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 
@@ -588,6 +588,7 @@ class BatchedTrainer:
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
         live, replaced = list(range(B)), set()
+        local = precision.local(tc.precision, device)
         for step in range(max(steps_B)):
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
@@ -596,10 +597,11 @@ class BatchedTrainer:
                                                            group_y, [offsets_B[b] for b in live])
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
+            with local:  # train.precision, as train_client's steps
+                grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
+                step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
+                direction_T = list(rule.direction(step_view))
             loss_sum_B[live] += loss_L.detach().double()
-            step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
-            direction_T = list(rule.direction(step_view))
             replaced |= step_view.keep(stacks, shared)
             if stats:  # the step's one update of the running statistics (extra passes leave them)
                 stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)
