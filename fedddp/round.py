@@ -569,6 +569,9 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
                                     task, resumed)
     if cfg.train.precision != "fp32":
         clients_note += "; " + precision.words(cfg.train.precision, device)
+    if rc.compile:
+        clients_note += ("; run.compile: compile applies to side by side only, one after another runs eagerly"
+                         if rc.parallel_clients == 1 else "; run.compile: the side-by-side step compiles on first use")
     trainer = (SideBySide if rc.parallel_clients > 1 else OneAfterAnother)(model, layout, cfg, rule, needs, task)
     if rc.parallel_clients > 1:
         # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
