@@ -16,6 +16,7 @@ resident memory above its resident memory before it.
 
     python bench/parallel_clients.py [--device cpu|cuda] [--clients 1,10,100,300] [--models cnn,ffnn,resnet18]
                                      [--optimizer sgd|adam|adamp|rmsgd] [--epochs E]
+                                     [--compile] [--precision fp32|tf32|bf16]
     python bench/parallel_clients.py --models resnet18 --clients 1,2,4 --steps 2    # ResNet-18 on CPU
 
 ``--batch-norm K`` times instead one ResNet-18 gradient step of K clients side by side: with full
@@ -46,7 +47,7 @@ def rss_mib() -> float:
 
 
 def measure(model_name: str, num_clients: int, mode: str, steps: int, device_name: str, seq_clients: int,
-            optimizer: str = "sgd", epochs: int = 1) -> dict:
+            optimizer: str = "sgd", epochs: int = 1, compile_: bool = False, precision: str = "fp32") -> dict:
     """One measurement in this process: client steps per second and peak memory (MiB)."""
     import torch
 
@@ -65,7 +66,8 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
     data_name = "cmapss" if model_name == "ffnn" else "mnist"
     cfg = checks.load(None, [f"model.name={model_name}", f"data.name={data_name}", f"train.batch_size={BATCH}",
                              f"train.local_steps={steps}", "train.lr=0.01", "data.num_clients=1000",
-                             f"train.optimizer={optimizer}",
+                             f"train.optimizer={optimizer}", f"run.compile={str(compile_).lower()}",
+                             f"train.precision={precision}",
                              f"run.parallel_clients={num_clients if mode == 'batched' else 1}"])
     task = tasks.get("regression" if model_name == "ffnn" else "classification")
     torch.manual_seed(0)
@@ -196,6 +198,9 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd", help="train.optimizer: sgd, adam, adamp or rmsgd")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs the --steps span (each client holds "
                                                                "steps / epochs batches)")
+    parser.add_argument("--compile", action="store_true", help="run.compile=true: the side-by-side step compiled "
+                                                                   "(during the untimed warm-up)")
+    parser.add_argument("--precision", default="fp32", help="train.precision: fp32, tf32 or bf16 (both paths)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # model,K,mode: one measurement, JSON out
     args = parser.parse_args()
     if args.batch_norm:
@@ -209,14 +214,14 @@ def main() -> None:
     if args.one:
         model_name, k, mode = args.one.split(",")
         print(json.dumps(measure(model_name, int(k), mode, args.steps, args.device, args.seq_clients,
-                                 args.optimizer, args.epochs)))
+                                 args.optimizer, args.epochs, args.compile, args.precision)))
         return
     device_text = args.device
     if args.device == "cuda":
         import torch
         device_text = torch.cuda.get_device_name()
     print(f"device {device_text}; batch {BATCH}, {args.steps} local steps per client over {args.epochs} "
-          f"epoch(s), {args.optimizer}; "
+          f"epoch(s), {args.optimizer}, precision {args.precision}{', compiled' if args.compile else ''}; "
           f"CPU: 1 thread; load average before: {os.getloadavg()[0]:.1f}\n")
     print("| model | clients K | sequential steps/s | side by side steps/s | speed-up | peak MiB sequential "
           "| peak MiB side by side |")
@@ -228,7 +233,8 @@ def main() -> None:
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{model_name},{k},{mode}",
                                        "--device", args.device, "--steps", str(args.steps),
                                        "--seq-clients", str(args.seq_clients), "--optimizer", args.optimizer,
-                                       "--epochs", str(args.epochs)],
+                                       "--epochs", str(args.epochs), "--precision", args.precision]
+                                      + (["--compile"] if args.compile else []),
                                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
                 if proc.returncode != 0:
                     last = (proc.stderr.strip().splitlines() or ["?"])[-1]

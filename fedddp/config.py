@@ -87,6 +87,12 @@ class RunConfig:
     deadline_steps: int = opt(0, "Drop (as a straggler) every sampled client whose local steps this round "
                                  "exceed this many; 0: no deadline. It does not train and its client "
                                  "state is untouched.")
+    compile: bool = opt(False, "torch.compile the side-by-side step (the vmapped gradient of the local rule's loss), "
+                               "its shapes padded to B clients and train.batch_size samples so one graph "
+                               "serves every step and round; compiled once a run (the start line says in "
+                               "how long). One after another (B = 1) is not compiled. A model torch.compile "
+                               "cannot take runs eagerly, said in one line. Equal to eager to float32 "
+                               "rounding, so it is part of the run's identity.")
     parallel_clients: IntOrAuto = opt("auto", "Clients a rank trains side by side (B) as one batched computation "
                                               "over stacked parameters (fedddp.client.batched); 1: one after "
                                               "another, the reference, which B > 1 equals to float32 rounding (B "
@@ -233,6 +239,13 @@ class TrainConfig:
     rmsgd_beta: float = opt(0.8, "RMSGD beta (its velocity averaging). RMSGD adapts its per-layer rates "
                                  "between local epochs (epoch_step), so with one local epoch per round "
                                  "and a fresh optimizer it is plain SGD.")
+    precision: str = opt("fp32", "Arithmetic of local training's forward and backward passes, one after another "
+                                 "and side by side. fp32: float32 throughout. tf32: on CUDA, float32 matmuls "
+                                 "and convolutions on TensorFloat-32 tensor cores during local steps (a no-op "
+                                 "on CPU). bf16: torch.autocast to bfloat16 around each step's loss and "
+                                 "gradient (CPU and CUDA). Weights, optimizer state, report rows and "
+                                 "evaluation stay float32 (fedddp/client/precision.py; docs/running.md).",
+                         ("fp32", "tf32", "bf16"))
     local_work_min: int = opt(0, "Uneven local work: > 0 draws each sampled client's local epochs (local "
                                  "steps when local_steps > 0) every round uniformly from [local_work_min, "
                                  "local_epochs (local_steps)], per (seed, round, client id). 0: everyone "

@@ -20,7 +20,7 @@ import torch
 from . import asynchrony, checkpoint, config, logs, outdir, participation, strategies, tasks
 from .algorithms import build_model, describe as describe_algorithm, sampling_of
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
-from .client import parallel, rules as local_rules
+from .client import parallel, precision, rules as local_rules
 from .client.batched import BatchedTrainer
 from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
 from .data import ClientData, LazyClients, build as build_data
@@ -567,6 +567,11 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         if resume_round and rc.parallel_clients == parallel.AUTO else None
     clients_note = parallel.resolve(cfg, comm, model, layout, data, range(cfg.data.num_clients) if balanced else owned,
                                     task, resumed)
+    if cfg.train.precision != "fp32":
+        clients_note += "; " + precision.words(cfg.train.precision, device)
+    if rc.compile:
+        clients_note += ("; run.compile: compile applies to side by side only, one after another runs eagerly"
+                         if rc.parallel_clients == 1 else "; run.compile: the side-by-side step compiles on first use")
     trainer = (SideBySide if rc.parallel_clients > 1 else OneAfterAnother)(model, layout, cfg, rule, needs, task)
     if rc.parallel_clients > 1:
         # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback

@@ -26,6 +26,7 @@ from ..models import dropout
 from .optim import build_optimizer, epoch_end, lr_at
 from .rules import LocalRule, param_views
 from . import clip  # noqa: F401 - registers the built-in local rule clip (its own file)
+from . import precision
 
 
 @dataclass
@@ -152,6 +153,7 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
     # summed on the host in step order, in float64 as the device did
     losses = []
     lr_sum = 0.0  # the rule's end hook gets the mean learning rate of the steps taken (SCAFFOLD)
+    local = precision.local(tc.precision, ctx.global_P.device)
     for step in range(schedule.steps):
         if step % schedule.per_epoch == 0 and step > 0:
             epoch_end(optimizer, tc, ctx.round_idx, schedule.epochs_before + step // schedule.per_epoch)
@@ -161,7 +163,8 @@ def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRu
         # than zeroing (a small model's GPU step is bound by launches)
         optimizer.zero_grad(set_to_none=True)
         dropout.set_key(drops, (seed, step))
-        loss = rule.gradient(model, x, y, ctx)
+        with local:  # train.precision: autocast (bf16) or TF32 (CUDA) around the step's passes
+            loss = rule.gradient(model, x, y, ctx)
         losses.append(loss.detach())
         if step == schedule.steps - 1 and "last_grad_KP" in needs:
             ctx.layout.flatten_grads(model, out=out["last_grad_P"])

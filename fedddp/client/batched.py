@@ -64,6 +64,7 @@ size (``fedddp.sampling.assign_groups``).
 from __future__ import annotations
 
 import copy
+import sys
 import time
 
 import torch
@@ -75,7 +76,7 @@ from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..models import dropout
 from ..registry import LOCAL_RULES, resolve
-from . import rules
+from . import precision, rules
 from . import ClientContext, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 
@@ -322,6 +323,56 @@ def _check_buffers(model: nn.Module, layout: FlatLayout, cfg) -> None:
 
 
 
+def _pad(t: torch.Tensor, rows: int, width: int | None = None, fill_first: bool = False) -> torch.Tensor:
+    """``t`` [L, ...] padded to ``rows`` rows (copies of row 0 when ``fill_first``, else zeros) and,
+    given ``width``, its second dimension to ``width`` (zeros)."""
+    if width is not None and t.shape[1] < width:
+        t = torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]))], dim=1)
+    if t.shape[0] < rows:
+        extra = (rows - t.shape[0],) + tuple(t.shape[1:])
+        t = torch.cat([t, t[:1].expand(extra) if fill_first else t.new_zeros(extra)])
+    return t
+
+
+class Compiled:
+    """run.compile: ``torch.compile`` of the side-by-side gradient function, called with every
+    per-client tensor padded to B clients (copies of the first; mask 0, count 1) and the batch to
+    train.batch_size samples (mask 0), so the shapes, and the one graph, stay the same across
+    steps, rounds and a last group smaller than B. Compiled on the first call, its time kept in
+    ``seconds`` (one line says it); a model torch.compile cannot take runs eagerly from then on,
+    said in one line (``note``), never a traceback."""
+
+    def __init__(self, fn, cfg):
+        self.fn, self.rows, self.width = torch.compile(fn, dynamic=False), int(cfg.run.parallel_clients), \
+            cfg.train.batch_size if cfg.train.batch_size > 0 else None
+        self.seconds, self.note, self.failed = None, "", False
+
+    def __call__(self, params_T, buffers_T, x, y, mask, count, drops, inputs):
+        """The gradients, (objective, (loss, stats)) of the clients given, or None (run eagerly)."""
+        if self.failed:
+            return None
+        L, rows, width = x.shape[0], max(self.rows, x.shape[0]), max(self.width or 0, x.shape[1])
+        per_client = lambda ts: [_pad(t, rows, fill_first=True) for t in ts]  # noqa: E731
+        args = (per_client(params_T), per_client(buffers_T), _pad(x, rows, width), _pad(y, rows, width),
+                _pad(mask, rows, width), torch.cat([count, count.new_ones(rows - L)]),
+                {k: _pad(v, rows, width) for k, v in drops.items()},
+                {k: per_client(v) for k, v in inputs.items()})
+        start = time.perf_counter()
+        try:
+            grads_T, (objective, (loss_L, stats)) = self.fn(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure of the compiler: the eager step is the reference
+            self.failed = True
+            first = " ".join(str(exc).split())[:200]
+            self.note = f"run.compile: torch.compile failed ({type(exc).__name__}: {first}); side by side runs eagerly"
+            print(f"fedddp: {self.note}", file=sys.stderr, flush=True)
+            return None
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - start
+            print(f"fedddp: run.compile: side-by-side step compiled in {self.seconds:.1f} s (once a run)",
+                  file=sys.stderr, flush=True)
+        return [g[:L] for g in grads_T], (objective[:L], (loss_L[:L], tuple(t[:L] for t in stats)))
+
+
 class BatchedTrainer:
     """Trains groups of clients side by side; one per run (it holds the model's functional form)."""
 
@@ -361,6 +412,8 @@ class BatchedTrainer:
         # the task's loss alone for extra passes (SAM) and try_step
         self._data = vmap(grad_and_value(data_loss, has_aux=True))
         self._rule_grads = vmap(grad_and_value(rule_loss, has_aux=True))
+        # run.compile: the rule's gradients compiled once, on first use (``_gradients``)
+        self.compiled = Compiled(self._rule_grads, cfg) if getattr(cfg.run, "compile", False) else None
 
     def _forward(self, net, params_T, buffers_T, x, mask, count, drops, prefix: str = "", training: bool = True):
         """``net`` at the given parameters and buffers, in training or eval mode; BatchNorm over
@@ -370,7 +423,18 @@ class BatchedTrainer:
         self.batch.drops = drops
         net.train(training)
         tensors = dict(zip([prefix + n for n in self.names], list(params_T) + list(buffers_T)))
-        return functional_call(net, tensors, (x,))
+        try:
+            return functional_call(net, tensors, (x,))
+        finally:  # no tensor of the transforms stays on the trainer (torch.compile refuses that)
+            self.batch.mask = self.batch.count = None
+            self.batch.drops = {}
+
+    def _collected(self) -> tuple:
+        """The batch statistics of the training forward just run, their layers' names kept for
+        ``_update_running_stats``; ``self.batch`` is left without them."""
+        self.stat_names = list(self.batch.names)
+        stats, self.batch.stats = tuple(self.batch.stats), []
+        return stats
 
     def try_first_client(self, train, num_samples: list[int], ids) -> None:
         """``try_step`` on the first client of ``ids`` with samples (``train``: client id ->
@@ -452,11 +516,6 @@ class BatchedTrainer:
             shapes[layer.index] = calls[0][1][1:]
         return shapes
 
-    def _collected(self) -> tuple:
-        """The batch statistics of the training forward just run, their layers' names kept for
-        ``_update_running_stats``."""
-        self.stat_names = self.batch.names
-        return tuple(self.batch.stats)
 
 
     def _entry(self, name: str, stacks: dict, shared: dict):
@@ -489,8 +548,9 @@ class BatchedTrainer:
         loss (MOON's without the contrastive term), and its BatchNorm batch statistics (mean,
         unbiased variance per layer in ``self.stat_names``' order, [L, C] each)."""
         inputs = {key: value for key, value in stacks.items() if isinstance(key, tuple)}
-        grads_T, (_, (loss_L, stats)) = self._rule_grads(stacks["params"], stacks["buffers"], x, y, mask, count, drops,
-                                                         inputs)
+        args = (stacks["params"], stacks["buffers"], x, y, mask, count, drops, inputs)
+        out = self.compiled(*args) if self.compiled is not None else None
+        grads_T, (_, (loss_L, stats)) = out if out is not None else self._rule_grads(*args)
         return grads_T, loss_L, stats
 
     def _update_running_stats(self, buffers_T: list[torch.Tensor], stats) -> list[torch.Tensor]:
@@ -588,6 +648,7 @@ class BatchedTrainer:
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
         live, replaced = list(range(B)), set()
+        local = precision.local(tc.precision, device)
         for step in range(max(steps_B)):
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
@@ -596,10 +657,11 @@ class BatchedTrainer:
                                                            group_y, [offsets_B[b] for b in live])
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
+            with local:  # train.precision, as train_client's steps
+                grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
+                step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
+                direction_T = list(rule.direction(step_view))
             loss_sum_B[live] += loss_L.detach().double()
-            step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
-            direction_T = list(rule.direction(step_view))
             replaced |= step_view.keep(stacks, shared)
             if stats:  # the step's one update of the running statistics (extra passes leave them)
                 stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)

@@ -213,7 +213,7 @@ def _pending_data_bytes(data, sample: ClientData) -> int:
 def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[int, int]:
     """(bytes a client adds side by side, bytes of a group of one): the peak memory of one step
     of groups of one and of two copies of ``data``'s client, trained on a copy of the model."""
-    probe_cfg = replace(cfg, train=replace(cfg.train, local_steps=1))
+    probe_cfg = replace(cfg, train=replace(cfg.train, local_steps=1), run=replace(cfg.run, compile=False))
     probe_model = copy.deepcopy(model)
     global_P = layout.flatten(probe_model).clone()
     trainer = batched.BatchedTrainer(probe_model, layout, probe_cfg, rules.get("plain"), strategies.ALWAYS, task)
@@ -247,7 +247,9 @@ def measure_cpu(model, layout, cfg, task, clients: list[ClientData], global_P,
     once ``budget_s`` is spent (after one warm-up and one timed repeat)."""
     plain, needs = rules.get("plain"), strategies.ALWAYS
     probe_model = copy.deepcopy(model)
-    cfgs = {k: replace(cfg, train=replace(cfg.train, local_steps=k)) for k in PROBE_STEPS}
+    # the probes run eagerly (run.compile would time its compilation, and say so)
+    cfgs = {k: replace(cfg, train=replace(cfg.train, local_steps=k), run=replace(cfg.run, compile=False))
+            for k in PROBE_STEPS}
     side_clients = clients[:PROBE_CLIENTS]
     trainers = {k: batched.BatchedTrainer(probe_model, layout, cfgs[k], plain, needs, task) for k in PROBE_STEPS}
 
