@@ -408,19 +408,30 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
         clock["aggregate"] = time.perf_counter()
         broadcast_model(run, comm)
         clock["broadcast"] = time.perf_counter()
-        test_loss, test_metric = evaluate_round(run, comm, round_idx)
-        clock["evaluate"] = time.perf_counter()
-        stopping = bool(rc.stop_after) and round_idx == rc.stop_after
-        written = checkpoint_files(run, comm, round_idx, stopping)
-        clock["checkpoint"] = time.perf_counter()
-        if book is not None:
-            book.write_round(plan, reported, train_s_R, clock, diagnostics, train_loss, stacks, test_loss, test_metric,
-                             sync=written is not None)
-        complete_checkpoint(run, comm, round_idx, written)
+        stopping = close_round(run, comm, book, round_idx, clock, plan, reported, train_s_R,
+                               (diagnostics, train_loss, stacks))
         last_round = round_idx
         if stopping:
             break
     return _finish(run, comm, book, last_round)
+
+
+def close_round(run: Setup, comm, book: Book | None, round_idx: int, clock: dict, plan: RoundPlan,
+                reported: list[int], train_s_R: list[float], aggregated: tuple) -> bool:
+    """evaluate -> checkpoint -> log, the end every round shares (sync or async): the checkpoint's
+    files, then the round's rows, then the checkpoint completes. ``aggregated``: aggregate's
+    (diagnostics, train loss, stacks). True when run.stop_after stops the run here."""
+    rc = run.cfg.run
+    test_loss, test_metric = evaluate_round(run, comm, round_idx)
+    clock["evaluate"] = time.perf_counter()
+    stopping = bool(rc.stop_after) and round_idx == rc.stop_after
+    written = checkpoint_files(run, comm, round_idx, stopping)
+    clock["checkpoint"] = time.perf_counter()
+    if book is not None:
+        book.write_round(plan, reported, train_s_R, clock, *aggregated, test_loss, test_metric,
+                         sync=written is not None)
+    complete_checkpoint(run, comm, round_idx, written)
+    return stopping
 
 
 def _round_seconds(run: Setup, plan: RoundPlan) -> float:
@@ -464,15 +475,8 @@ def _run_async(run: Setup, comm, book: Book | None) -> int:
         run.versions = {v: P for v, P in run.versions.items() if v in in_flight}
         run.sim_time_s = run.clock.now_s
         clock["broadcast"] = time.perf_counter()
-        test_loss, test_metric = evaluate_round(run, comm, round_idx)
-        clock["evaluate"] = time.perf_counter()
-        stopping = bool(rc.stop_after) and round_idx == rc.stop_after
-        written = checkpoint_files(run, comm, round_idx, stopping)
-        clock["checkpoint"] = time.perf_counter()
-        if book is not None:
-            book.write_round(plan, reported, train_s_R, clock, diagnostics | extra, train_loss, stacks, test_loss,
-                             test_metric, sync=written is not None)
-        complete_checkpoint(run, comm, round_idx, written)
+        stopping = close_round(run, comm, book, round_idx, clock, plan, reported, train_s_R,
+                               (diagnostics | extra, train_loss, stacks))
         last_round = round_idx
         if stopping:
             break
