@@ -88,11 +88,12 @@ def _setup(args, comm, layout, K: int, mode: str):
     synthetic updates, K clients over the ranks as the round loop lays them out."""
     import torch
 
-    from fedddp import config, round as rounds, strategies
+    from fedddp import algorithms, config, round as rounds, strategies
     from fedddp.sampling import assign_clients, layout_rows
     from fedddp.sharded import ShardedServer
     cfg = config.Config()
     cfg.algorithm.name, cfg.run.aggregation, cfg.run.aggregation_block = args.rule, mode, args.block
+    cfg.algorithm = algorithms.resolved(cfg.algorithm)  # the rule's own parameters at their defaults
     strategy = strategies.get(args.rule)
     needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
     report = rounds.ReportLayout(needs, layout.numel, len(layout.conv_entries()))
