@@ -286,7 +286,8 @@ def check_model(cfg, net, task: str) -> list[str]:
     local, server = resolve(cfg.algorithm)
     errors = []
     what = f"model.name = {cfg.model.name}"
-    if strategies.SERVER_RULES[server].needs_for(resolved(cfg.algorithm)) & {"eff_rank_KL"} and \
+    hp = resolved(cfg.algorithm)
+    if strategies.SERVER_RULES[server].needs_for(hp) & {"eff_rank_KL"} and \
             not any(isinstance(m, nn.Conv2d) for m in net.modules()):
         errors.append(f"model.name: {server} weighs conv layers by effective rank; {what} has no "
                       "torch.nn.Conv2d layer (use cnn, resnet18 or a model with one)")
@@ -304,9 +305,9 @@ def check_model(cfg, net, task: str) -> list[str]:
         elif outside := _outside(net, (net.features, net.head)):
             errors.append(f"model.name: MOON runs the model as head(features(x)); {what} has tensors outside "
                           f".features and .head ({', '.join(outside[:3])}); move them into one of the two")
-        elif resolved(cfg.algorithm).params["moon_proj_dim"] > 0 and not isinstance(net.head, nn.Linear):
+        elif hp.params["moon_proj_dim"] > 0 and not isinstance(net.head, nn.Linear):
             errors.append(f"model.name: MOON's projection head (algorithm.params.moon_proj_dim = "
-                          f"{resolved(cfg.algorithm).params['moon_proj_dim']}) replaces the classifier .head, "
+                          f"{hp.params['moon_proj_dim']}) replaces the classifier .head, "
                           f"which must be a torch.nn.Linear; {what} has a {type(net.head).__name__} (or set "
                           "algorithm.params.moon_proj_dim = 0)")
     return errors
