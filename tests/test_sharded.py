@@ -106,17 +106,24 @@ def _inputs(seed: int, **params):
 
 
 class _Threads:
-    """W simulated ranks: all_gather(rank, tensor) -> every rank's tensor, in rank order."""
+    """W simulated ranks: all_gather(rank, tensor) -> every rank's tensor, in rank order. A rank
+    computes only while it holds ``lock`` (released while it waits for the others): the ranks'
+    torch and kernel calls never run at once, which once aborted the process (the ranks are
+    threads of one process here, unlike a run's)."""
 
     def __init__(self, world: int):
-        self.barrier, self.slots = threading.Barrier(world), [None] * world
+        self.barrier, self.slots, self.lock = threading.Barrier(world), [None] * world, threading.Lock()
 
     def all_gather(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.barrier.wait()
-        self.slots[rank] = tensor
-        self.barrier.wait()
-        every = list(self.slots)
-        self.barrier.wait()
+        self.lock.release()
+        try:
+            self.barrier.wait()
+            self.slots[rank] = tensor
+            self.barrier.wait()
+            every = list(self.slots)
+            self.barrier.wait()
+        finally:
+            self.lock.acquire()
         return every
 
 
@@ -132,7 +139,8 @@ def _on_ranks(strategy, global_P, stacks, state, hp, world: int, width: int = WI
         cut = {k: (v[:, c0:c1] if k.endswith("_KP") else v) for k, v in stacks.items()}
         cut |= cut_static({k: v for k, v in stacks.items() if k in ("param_mask_P", "conv_runs_R3")}, c0, c1)
         view = {k: v[c0:c1].clone() if v.shape == (P,) else v for k, v in state.items()}
-        out[r] = strategy.aggregate_span(global_P[c0:c1], cut, view, hp, span)
+        with threads.lock:
+            out[r] = strategy.aggregate_span(global_P[c0:c1], cut, view, hp, span)
 
     workers = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for w in workers:
