@@ -57,7 +57,7 @@ step() {  # step NAME LIMIT COMMAND...: run it if asked for and in time, keep it
 
 step device 30 python3 -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')"
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py \
+step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_triton_kernels.py \
     tests/test_strategies.py -k "cuda"
 step gpu_checks 120 python3 bench/gpu_checks.py --device cuda
 step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
@@ -76,5 +76,12 @@ for B in 1 100 auto; do  # auto: the B run.parallel_clients=auto picks from free
         "run.parallel_clients=$B" "run.out_dir=$runs" run.overwrite=true
     cat "$runs/metrics.jsonl" >>"$out/mnist_cnn.log" 2>/dev/null
 done
+# not in the default list: STEPS=mnist_cnn_compile, the same at B = 100 with run.compile (compiled in the warm-up
+# before round 1: its metrics' first round_s against the steady ones)
+runs=/tmp/fedddp_gpu_runs/mnist_cnn_compile
+step mnist_cnn_compile 150 python3 -m fedddp configs/mnist_cnn.toml "data.root=$root" run.device=cuda \
+    data.num_clients=100 run.clients_per_round=100 run.rounds=3 run.ckpt_every=0 run.parallel_clients=100 \
+    run.compile=true "run.out_dir=$runs" run.overwrite=true
+cat "$runs/metrics.jsonl" >>"$out/mnist_cnn_compile.log" 2>/dev/null
 step peers 200 python3 bench/peers/pfl_cifar10.py --device cuda --rounds 30 --reps 2 --parallel-clients 1,50 \
     --data-root "$root"

@@ -20,10 +20,12 @@ resident memory above its resident memory before it.
     python bench/parallel_clients.py --models resnet18 --clients 1,2,4 --steps 2    # ResNet-18 on CPU
 
 ``--batch-norm K`` times instead one ResNet-18 gradient step of K clients side by side: with full
-batches, the masked BatchNorm the batched path uses against torch's own BatchNorm under vmap
-(running statistics batched; it cannot leave padded samples out), which is what masking costs;
-and with the last client's batch partial (12 of 32), padded under the mask against split by
-width into one call per width with torch's BatchNorm, the alternative to masking.
+batches, the masked BatchNorm (the form a padded call takes) and fedddp's form of a call without
+padding (torch's fused kernel, the statistics beside it) against torch's own BatchNorm under
+vmap (running statistics batched in place; it cannot leave padded samples out); and with the
+last client's batch partial (12 of 32), padded under the mask against split by width into one
+call per width, with torch's BatchNorm and with fedddp's form (what the CPU path runs,
+client/batched.py's ``_by_width``).
 """
 
 from __future__ import annotations
@@ -159,17 +161,26 @@ def batch_norm_forms(num_clients: int, steps: int, device_name: str) -> None:
     mask_partial[last, part:] = 0
     count_partial = mask_partial.sum(1)
 
-    def split_step():
+    def split_step(step):
         head = {n: t[:last] for n, t in params.items()}, {n: t[:last] for n, t in buffers.items()}
         tail = {n: t[last:] for n, t in params.items()}, {n: t[last:] for n, t in buffers.items()}
         if last:
-            native_step(*head, x[:last], y[:last], mask[:last], count[:last])
-        native_step(*tail, x[last:, :part], y[last:, :part], mask[last:, :part], count_partial[last:])
+            step(*head, x[:last], y[:last], mask[:last], count[:last])
+        step(*tail, x[last:, :part], y[last:, :part], mask[last:, :part], count_partial[last:])
 
-    forms = {"masked, full batches": lambda: masked_step(params, buffers, x, y, mask, count),
+    def full(flag: bool, form):  # batch.full: the twin's BatchNorm runs torch's kernel (no padding)
+        def call():
+            batch.full = flag
+            return form()
+        return call
+
+    forms = {"masked, full batches": full(False, lambda: masked_step(params, buffers, x, y, mask, count)),
+             "fedddp's, full batches": full(True, lambda: masked_step(params, buffers, x, y, mask, count)),
              "torch, full batches": lambda: native_step(params, buffers, x, y, mask, count),
-             f"masked, one batch of {part}": lambda: masked_step(params, buffers, x, y, mask_partial, count_partial),
-             f"split by width, one batch of {part}": split_step}
+             f"masked, one batch of {part}": full(False, lambda: masked_step(params, buffers, x, y, mask_partial,
+                                                                           count_partial)),
+             f"split by width (torch's), one batch of {part}": lambda: split_step(native_step),
+             f"split by width (fedddp's), one batch of {part}": full(True, lambda: split_step(masked_step))}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = {name: float("inf") for name in forms}
     for i in range(steps + 1):  # the first round warms up and is not counted

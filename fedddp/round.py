@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import asynchrony, checkpoint, config, logs, outdir, participation, strategies, tasks
+from . import asynchrony, checkpoint, config, logs, outdir, participation, strategies, tasks, warmup
 from .algorithms import build_model, describe as describe_algorithm, sampling_of
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import parallel, precision, rules as local_rules
@@ -575,7 +575,7 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         clients_note += "; " + precision.words(cfg.train.precision, device)
     if rc.compile:
         clients_note += ("; run.compile: compile applies to side by side only, one after another runs eagerly"
-                         if rc.parallel_clients == 1 else "; run.compile: the side-by-side step compiles on first use")
+                         if rc.parallel_clients == 1 else "; run.compile: the side-by-side step compiles in the warm-up")
     trainer = (SideBySide if rc.parallel_clients > 1 else OneAfterAnother)(model, layout, cfg, rule, needs, task)
     if rc.parallel_clients > 1:
         # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
@@ -613,6 +613,7 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         _restore_clock(run, comm, saved)
     if comm.is_main and rc.progress and device.type == "cpu" and rc.parallel_clients > 1:
         run.clients_note += "; " + _side_by_side_on_cpu(run, comm)
+    run.clients_note = "; ".join(filter(None, [run.clients_note, warmup.warm_up(run, comm)]))
     comm.broadcast_(global_P)
     return run
 

@@ -130,6 +130,23 @@ def _spawn_guard(request):
                     + "; ".join(found[:3]), pytrace=False)
 
 
+# Test files whose shared runs (module fixtures) take longest, started first: under pytest-xdist
+# (setup.cfg) each file runs whole on one worker, and a long file that starts last ends the suite
+# alone while the other workers wait (tests/test_sharded.py's torchruns: about 2 minutes).
+LONGEST_FIRST = ("test_sharded.py", "test_launch.py", "test_client_state.py", "test_rules_end_to_end.py",
+                 "test_sweep.py", "test_restarts.py", "test_state_travels.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 8 (each imports torch and some start 4 ranks)."""
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
 @pytest.fixture
 def without_scontrol(monkeypatch):
     """A machine without Slurm's tools: fedddp.env.first_host expands the node list itself

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
-from fedddp import checks
+from fedddp import checks, warmup
 from fedddp.client import batched
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
@@ -36,10 +37,22 @@ def final_P(tmp_path, overrides: list[str], compile_: bool, parallel: int = 3, p
 @pytest.mark.processes  # inductor runs the C++ compiler
 @pytest.mark.parametrize("extra", [[], ["algorithm.name=fedsam"]], ids=["plain", "sam"])
 @pytest.mark.e2e
-def test_compiled_equals_eager(tmp_path, extra, capsys):
+def test_compiled_equals_eager(tmp_path, extra, capsys, monkeypatch):
+    """... and the graph compiles in the warm-up before round 1, the one every round then uses
+    (no graph compiled after it)."""
     eager_P = final_P(tmp_path, extra, False)
     capsys.readouterr()
+    warm_up, graphs = warmup.warm_up, []
+
+    def counted(run_, comm):
+        words = warm_up(run_, comm)
+        graphs.append(counters["stats"]["unique_graphs"])
+        return words
+
+    monkeypatch.setattr(warmup, "warm_up", counted)
+    before = counters["stats"]["unique_graphs"]
     compiled_P = final_P(tmp_path, extra, True)
+    assert graphs[0] > before and counters["stats"]["unique_graphs"] == graphs[0]
     err = capsys.readouterr().err
     assert err.count("side-by-side step compiled in") == 1 and "failed" not in err, err  # once a run
     scale = eager_P.abs().max().item()

@@ -354,6 +354,7 @@ def test_padding_left_in_batch_statistics_would_fail(tmp_path, monkeypatch):
     BatchNorm layers see set to all ones (the loss still masked), the batched model moves away
     from the sequential one by far more than the tolerance."""
     sequential_P = final_P(tmp_path, 1, BN_CNN)
+    monkeypatch.setattr(batched, "SPLIT_DEVICES", ())  # the padded form: steps of unequal widths padded
     forward = batched.BatchedTrainer._forward
 
     def padding_counted(self, net, params_T, buffers_T, x, mask, count, *args, **kwargs):
@@ -363,6 +364,31 @@ def test_padding_left_in_batch_statistics_would_fail(tmp_path, monkeypatch):
     monkeypatch.setattr(batched.BatchedTrainer, "_forward", padding_counted)
     padded_P = final_P(tmp_path, 4, BN_CNN)
     assert (sequential_P - padded_P).abs().max().item() > 100 * TOL * sequential_P.abs().max().item()
+
+
+@pytest.mark.e2e
+def test_batch_norm_steps_split_by_width_on_cpu_compute_no_padding(tmp_path, monkeypatch):
+    """On CPU a BatchNorm model's step whose batches differ in width runs one call per width:
+    no forward ever sees a padded sample (every mask it gets is all ones), and the result equals
+    the padded form's (the same computation in other shapes) to the tolerance. With the split
+    off, the same run does pad (so the first check can fail)."""
+    by_width, masks = batched.BatchedTrainer._by_width, []
+
+    def recording(self, fn, args):
+        def call(*args):  # each vmapped call's masks [L, S]: its clients' samples and padding
+            masks.append(args[4])
+            return fn(*args)
+        return by_width(self, call, args)
+
+    monkeypatch.setattr(batched.BatchedTrainer, "_by_width", recording)
+    split_P = final_P(tmp_path / "split", 4, BN_CNN + ["algorithm.name=fedsam"])
+    assert masks and all(bool((m == 1).all()) for m in masks)
+    masks.clear()
+    monkeypatch.setattr(batched, "SPLIT_DEVICES", ())
+    padded_P = final_P(tmp_path / "padded", 4, BN_CNN + ["algorithm.name=fedsam"])
+    assert any(not bool((m == 1).all()) for m in masks)
+    scale = padded_P.abs().max().item()
+    assert (split_P - padded_P).abs().max().item() <= TOL * scale
 
 
 def test_each_client_keeps_its_own_running_statistics():

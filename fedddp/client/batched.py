@@ -49,9 +49,12 @@ num_batches_tracked + 1). The extra pass of SAM, GAM and FedSMOO discards its st
 sequential ``rules._shifted`` restores the buffers); MOON's global and previous models run in
 eval mode on their own running statistics. Other buffers (not BatchNorm's) are refused. (torch
 2.14's vmap of ``F.batch_norm`` does update batched buffers in place, but it would take the
-padding into the statistics; on CPU masking costs 2-14% of a ResNet-18 step against it, and
-splitting a step's clients by batch width would be cheaper on steps with a partial batch:
-BENCHMARKS.md.) Memory:
+padding into the statistics; on CPU masking costs 2-14% of a ResNet-18 step against it:
+BENCHMARKS.md.) A call without padding (every client's batch of one width) normalises with
+torch's own fused kernel and takes the statistics beside it (``_Batch.full``). On CPU a step
+whose clients' batches differ in width (a partial batch beside full ones) runs one such call per
+width on unpadded rows (``_by_width``), so no padding is computed; on a GPU it stays one padded,
+masked call (``SPLIT_DEVICES``). Memory:
 a ResNet-18 client side by side takes about 661 MiB on CPU (batch 32, 3x32x32, plain SGD),
 mostly its batch's activations; its parameters are 42.6 MiB a copy (BENCHMARKS.md).
 
@@ -68,8 +71,10 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.utils._pytree import tree_map
 
 from .. import strategies, tasks
 from ..errors import ConfigError
@@ -80,6 +85,11 @@ from . import precision, rules
 from . import ClientContext, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 
+# Devices where a BatchNorm model's step whose batches differ in width runs one call per width
+# instead of one padded call: on CPU the cost follows the samples computed, padding included
+# (1.6-1.7x on ResNet-18 steps with a partial batch, BENCHMARKS.md); on a GPU one large call is
+# what side by side pays off through, so it stays padded until measured otherwise.
+SPLIT_DEVICES = ("cpu",)
 BATCH_NORM_MODELS = ("resnet18",)  # the built-ins with BatchNorm (plugin models are checked when built)
 
 
@@ -187,7 +197,8 @@ class _Step:
         """Each client's gradient of the task's loss at w + shift (the step's batch and dropout
         masks; its BatchNorm statistics discarded)."""
         shifted_T = [p + e for p, e in zip(self.params, shift_T)]
-        return self._trainer._data(shifted_T, self._stacks["buffers"], *self._batch)[0]
+        t = self._trainer
+        return t._by_width(t._data, (shifted_T, self._stacks["buffers"]) + self._batch)[0]
 
     @staticmethod
     def norm(tensors) -> torch.Tensor:
@@ -235,11 +246,13 @@ def _one_for_all(values: list) -> bool:
 class _Batch:
     """What the masked BatchNorm and dropout layers of one forward read and write: the client's
     sample mask [S] and count and its dropout masks by layer index ([S, ...] each; under vmap
-    each client's own), and, in the order the layers ran, the names of the layers that computed
-    batch statistics and those statistics."""
+    each client's own), whether the call has no padding at all (``full``: every mask all ones),
+    and, in the order the layers ran, the names of the layers that computed batch statistics
+    and those statistics."""
 
     def __init__(self):
         self.mask = self.count = None
+        self.full = False
         self.drops = {}
         self.names, self.stats = [], []
 
@@ -259,8 +272,16 @@ class _MaskedBatchNorm(nn.Module):
 
     def forward(self, x):
         shape = (1, -1) + (1,) * (x.dim() - 2)  # [C] broadcast over [S, C, ...]
+        dims = [0] + list(range(2, x.dim()))
+        if self.batch.full and (self.training or self.running_mean is None):
+            # no padding in this call: torch's fused kernel over all the samples (1.3x faster on a
+            # CPU ResNet-18 step, BENCHMARKS.md), the statistics for the running ones beside it
+            if self.training and self.running_mean is not None:
+                var_C, mean_C = torch.var_mean(x.detach(), dims, correction=1)
+                self.batch.names.append(self.name)
+                self.batch.stats += [mean_C, var_C]
+            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
         if self.training or self.running_mean is None:  # torch's bn_training
-            dims = [0] + list(range(2, x.dim()))
             mask = self.batch.mask.view((-1,) + (1,) * (x.dim() - 1))
             n = self.batch.count * (x[0, 0].numel())  # the client's values per channel
             mean_C = (x * mask).sum(dims) / n
@@ -390,6 +411,9 @@ class BatchedTrainer:
         # dropout layers, and each one's input shape per sample (``_dropout_shapes``)
         self.dropouts, self.drop_shapes = dropout.layers(model), None
         self.batch, self.stat_names = _Batch(), []
+        # the step's clients by batch width when it is split (``_width_parts``), and whether its
+        # batches are all of one width (no padding: BatchNorm then runs torch's own kernel)
+        self.parts, self.full = None, False
         self.net = _masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
         self.represent = _Represent(self.net)  # (representation, output), for rules that read z (MOON)
         # the rule's scratch entries (their forms: "list" of tensors, or "one" tensor or number),
@@ -482,6 +506,32 @@ class BatchedTrainer:
             for hook in hooks:
                 hook.remove()
 
+    def warm_up(self, data, rows: int) -> None:
+        """One gradient call of a full group's shape, ``rows`` copies of a full batch of ``data``
+        (a client's) at the model's parameters, the result discarded: run.compile's graph
+        compiles, and the device's libraries set up, before round 1 instead of in it. A rule
+        whose step reads its own entries (FedProx's anchor, SCAFFOLD's correction) warms with
+        the task's loss alone; its compiled graph is then built in round 1."""
+        tc, device = self.cfg.train, data.x.device
+        width = tc.batch_size if tc.batch_size > 0 else len(data)
+        index = torch.arange(width, device=device) % len(data)
+        # contiguous, as a step's batches are: the compiled graph is specialised on strides too
+        x = data.x[index].expand((rows, width) + tuple(data.x.shape[1:])).contiguous()
+        y = data.y[index].expand(rows, width).contiguous()
+        if self.dropouts and self.drop_shapes is None:
+            self.drop_shapes = self._dropout_shapes(x[0])
+        flat_P = self.layout.flatten(self.model)
+        stacks = {"params": self._stacked(flat_P, self.param_entries, rows),
+                  "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
+        mask = torch.ones(rows, width, device=device)
+        drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
+        self.parts, self.full, self.shared, self.frozen_count = None, True, {}, 0
+        with precision.local(tc.precision, device):
+            if self.step_keys:
+                self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops))
+            else:
+                self._gradients(stacks, x, y, mask, mask.sum(1), drops)
+
     def _dropout_shapes(self, x) -> dict[int, tuple]:
         """Each dropout layer's input shape per sample, by index, from eval forwards of one and
         of two copies of the sample ``x[0]`` (nothing of the model changes). A layer's masks are
@@ -549,9 +599,44 @@ class BatchedTrainer:
         unbiased variance per layer in ``self.stat_names``' order, [L, C] each)."""
         inputs = {key: value for key, value in stacks.items() if isinstance(key, tuple)}
         args = (stacks["params"], stacks["buffers"], x, y, mask, count, drops, inputs)
-        out = self.compiled(*args) if self.compiled is not None else None
-        grads_T, (_, (loss_L, stats)) = out if out is not None else self._rule_grads(*args)
+        out = None
+        if self.compiled is not None:
+            self.batch.full = False  # every call padded to the same shapes
+            out = self.compiled(*args)
+        grads_T, (_, (loss_L, stats)) = out if out is not None else self._by_width(self._rule_grads, args)
         return grads_T, loss_L, stats
+
+    def _width_parts(self, sizes: list[int], device) -> list[tuple[list[int], int]] | None:
+        """The step's clients (rows) by batch width, [(rows, width)] in order of first appearance,
+        when the step is split by width: on a device of SPLIT_DEVICES, for a model with BatchNorm
+        (uncompiled), at a step whose batches differ in width. Else None: one call, padded."""
+        if device.type not in SPLIT_DEVICES or not self.batch_norms or self.compiled is not None \
+                or len(set(sizes)) == 1:
+            return None
+        parts: dict[int, list[int]] = {}
+        for row, size in enumerate(sizes):
+            parts.setdefault(size, []).append(row)
+        return [(rows, width) for width, rows in parts.items()]
+
+    def _by_width(self, fn, args: tuple):
+        """``fn(params_T, buffers_T, x, y, mask, count, drops, *rest)`` over the step's clients
+        (every argument [L, ...], per client): one call, or with the step split by width
+        (``self.parts``) one call per width on its clients' rows cut to that width, no padding
+        computed, the results put back in row order. Each client's result is the same computation
+        on the same samples either way (to float32 rounding: the kernels see other shapes)."""
+        self.batch.full = self.full or self.parts is not None
+        if self.parts is None:
+            return fn(*args)
+        outs, order = [], []
+        for rows, width in self.parts:
+            index = torch.tensor(rows, dtype=torch.long, device=args[2].device)
+            take = lambda t: t.index_select(0, index)  # noqa: E731
+            params_T, buffers_T, x, y, mask, count, drops, *rest = tree_map(take, args)
+            outs.append(fn(params_T, buffers_T, x[:, :width], y[:, :width], mask[:, :width], count,
+                           {k: v[:, :width] for k, v in drops.items()}, *rest))
+            order += rows
+        back = torch.argsort(torch.tensor(order, device=args[2].device))
+        return tree_map(lambda *leaves: torch.cat(leaves).index_select(0, back), *outs)
 
     def _update_running_stats(self, buffers_T: list[torch.Tensor], stats) -> list[torch.Tensor]:
         """The stacked running statistics after one training forward, as torch's BatchNorm updates
@@ -653,8 +738,9 @@ class BatchedTrainer:
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
                     optimizer.epoch_start(b, [p[j] for p in stacks["params"]])
-            x, y, mask, count, drops, lr_L = self._batches([schedules[b] for b in live], step, device, group_x,
-                                                           group_y, [offsets_B[b] for b in live])
+            x, y, mask, count, drops, lr_L, sizes = self._batches([schedules[b] for b in live], step, device,
+                                                                  group_x, group_y, [offsets_B[b] for b in live])
+            self.parts, self.full = self._width_parts(sizes, device), len(set(sizes)) == 1
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
             with local:  # train.precision, as train_client's steps
@@ -701,7 +787,7 @@ class BatchedTrainer:
     def _batches(self, schedules: list[Schedule], step: int, device, group_x, group_y, offsets: list[int]):
         """This step's batches of the L clients, padded to the largest: x [L, S, ...], y [L, S],
         mask [L, S] (1 on a client's own samples), count [L] (its batch size), the dropout masks
-        (``_dropout_masks``), and the rates.
+        (``_dropout_masks``), the rates, and the batch sizes.
         Without augmentation one gather from the group's samples (``group_x``, client j's from
         row ``offsets[j]``), so the number of kernels does not grow with L; padding takes the
         group's first sample, which the mask leaves out."""
@@ -726,7 +812,7 @@ class BatchedTrainer:
             x, y = group_x[index], group_y[index]
             sizes = [len(p) for p in positions]
         drops = self._dropout_masks([(s.seed, step) for s in schedules], sizes, width, device)
-        return x, y, mask, mask.sum(1), drops, [s.lr(step) for s in schedules]
+        return x, y, mask, mask.sum(1), drops, [s.lr(step) for s in schedules], sizes
 
     def _dropout_masks(self, keys: list[tuple[int, int]], sizes: list[int], width: int, device) -> dict:
         """The step's dropout masks by layer index, [L, S, ...] each: client j's first

@@ -1,0 +1,94 @@
+"""Warm-up before round 1: the calls whose first use compiles or sets up, made on throwaway
+inputs, so that round 1 costs about what a steady round costs and the progress line's first
+figure means something.
+
+- The server rule's Triton kernels (CUDA, rank 0, a gathered rule with a fused form): Triton
+  compiles a kernel on its first launch for each specialisation of its integer arguments
+  (equal to 1, divisible by 16) and pointers (16-byte aligned). The warm-up launches the rule
+  on a report stack of the run's own width (so P, the row stride and every column offset are
+  the run's) with as few rows as keep the client count's specialisation. Triton keeps the
+  binaries in its cache (``TRITON_CACHE_DIR``, by default ~/.triton/cache), so a later run on
+  the machine finds them built.
+- The side-by-side step (CUDA, or run.compile anywhere): one gradient call of a full group's
+  shape, which is when run.compile's graph compiles and the GPU's libraries pick their kernels
+  (``BatchedTrainer.warm_up``); one after another, one forward and backward of a full batch.
+
+Nothing the run computes changes: the model, its buffers and torch's random state are as they
+were before (``torch.random.fork_rng``), the server state is a fresh one thrown away. A warm-up
+that fails (a plugin's rule on made-up reports) is said in the start line and skipped; the real
+call in round 1 then reports whatever is wrong.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import strategies
+
+# Where the server rule warms up: where its fused form compiles on first use (Triton on CUDA;
+# the CPU's C kernels are built when the start line is written, fedddp.round.Book).
+SERVER_DEVICES = ("cuda",)
+
+
+def needed(cfg, device) -> bool:
+    """Whether the run warms up: on CUDA, or with run.compile (its graph compiles on first use)."""
+    return device.type == "cuda" or bool(cfg.run.compile and cfg.run.parallel_clients > 1)
+
+
+def warm_up(run, comm) -> str:
+    """The warm-up of a run (fedddp.round.Setup) on this rank; words for the start line, or ""."""
+    cfg, device = run.cfg, comm.device
+    if not needed(cfg, device):
+        return ""
+    start, skipped = time.perf_counter(), []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for what, step in (("local step", _local), ("server rule", _server)):
+            try:
+                step(run, comm)
+            except Exception as exc:  # noqa: BLE001 - made-up inputs; round 1 runs the real call
+                skipped.append(f"{what}: {type(exc).__name__}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    words = f"warm-up {time.perf_counter() - start:.1f} s before round 1"
+    return words + (f" (skipped: {', '.join(skipped)})" if skipped else "")
+
+
+def _first_client(run):
+    ids = range(run.cfg.data.num_clients)
+    cid = next((c for c in ids if run.data.num_samples[c] and c in run.data.train), None)
+    return None if cid is None else run.data.train[cid]
+
+
+def _local(run, comm) -> None:
+    data = _first_client(run)
+    if data is None:
+        return
+    batched = getattr(run.trainer, "batched", None)
+    if batched is not None:
+        batched.warm_up(data, int(run.cfg.run.parallel_clients))
+        return
+    model, tc = run.model, run.cfg.train
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    width = min(tc.batch_size if tc.batch_size > 0 else len(data), len(data))
+    try:
+        model.train()
+        run.task.loss(model(data.x[:width]), data.y[:width]).backward()
+    finally:
+        model.load_state_dict(saved)
+        model.zero_grad(set_to_none=True)
+
+
+def _server(run, comm) -> None:
+    """The rule on a made-up stack: every report zero but one sample a client."""
+    if not comm.is_main or comm.device.type not in SERVER_DEVICES or run.sharded is not None \
+            or run.strategy.name not in strategies.kernels.RULES:
+        return
+    K = max(int(run.cfg.run.clients_per_round or 2), 1)
+    rows = 1 if K == 1 else 16 if K % 16 == 0 else 2  # Triton's specialisations of K
+    rows_KF = torch.zeros(rows, run.report.width, device=comm.device)
+    stacks = run.report.unpack(rows_KF) | run.static
+    stacks["num_samples_K"].fill_(1.0)
+    hp = run.cfg.algorithm
+    run.strategy.aggregate(run.global_P.clone(), stacks, run.strategy.init_state(run.global_P.clone(), hp), hp)
