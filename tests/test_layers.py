@@ -26,7 +26,7 @@ LAYERS = [
     ["checks"],                             # loading a config: plugins registered, every check
     ["checkpoint"],
     ["logs"],
-    ["sharded"],                            # the sharded server: ranges, their exchange and all-gather
+    ["sharded", "warmup"],                  # the sharded server; the first calls made before round 1
     ["round"],                              # the round loop
     ["api"],
     ["__main__"],
