@@ -35,10 +35,10 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
 # STEPS: the steps to run, in this order (default all); each has a time limit, and a step whose
-# limit would end past DEADLINE seconds (default 560) is skipped and said so, so one call of a
+# limit would end past DEADLINE seconds (default 480: 8 minutes) is skipped and said so, so one call of a
 # 10-minute device lease comes back with what it measured.
 steps=${STEPS:-"device cuda_tests gpu_checks aggregate parallel_clients round_vs_loop mnist_cnn peers"}
-deadline=${DEADLINE:-560}
+deadline=${DEADLINE:-480}
 
 step() {  # step NAME LIMIT COMMAND...: run it if asked for and in time, keep its output, say how it ended
     local name=$1 limit=$2 start=$SECONDS
