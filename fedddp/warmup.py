@@ -85,7 +85,7 @@ def _server(run, comm) -> None:
     if not comm.is_main or comm.device.type not in SERVER_DEVICES or run.sharded is not None \
             or run.strategy.name not in strategies.kernels.RULES:
         return
-    K = max(int(run.cfg.run.clients_per_round or 2), 1)
+    K = run.cfg.num_sampled()  # a round's reports (fewer where some drop out or straggle)
     rows = 1 if K == 1 else 16 if K % 16 == 0 else 2  # Triton's specialisations of K
     rows_KF = torch.zeros(rows, run.report.width, device=comm.device)
     stacks = run.report.unpack(rows_KF) | run.static
