@@ -41,7 +41,12 @@ def final_P(tmp_path, overrides: list[str], prec: str, parallel: int) -> torch.T
     return global_P
 
 
-CASES = [("quickstart", []), ("cnn", CNN), ("cnn fedsam", CNN + ["algorithm.name=fedsam"])]
+# BatchNorm: side by side on CPU it runs torch's kernel on calls without padding (a step split by
+# width), in float32 as the masked form
+BATCH_NORM = ["data.name=examples.my_plugin:blobs", "data.num_clients=12", "run.clients_per_round=6",
+              "model.name=test_parallel_clients:BatchNormCNN", "train.batch_size=30", "train.lr=0.05"]
+CASES = [("quickstart", []), ("cnn", CNN), ("cnn fedsam", CNN + ["algorithm.name=fedsam"]),
+         ("batch norm", BATCH_NORM), ("batch norm fedsam", BATCH_NORM + ["algorithm.name=fedsam"])]
 
 
 @pytest.mark.parametrize("extra", [e for _, e in CASES], ids=[n for n, _ in CASES])

@@ -276,6 +276,9 @@ class _MaskedBatchNorm(nn.Module):
         if self.batch.full and (self.training or self.running_mean is None):
             # no padding in this call: torch's fused kernel over all the samples (1.3x faster on a
             # CPU ResNet-18 step, BENCHMARKS.md), the statistics for the running ones beside it
+            # in float32, as the masked form computes (its float32 mask promotes a bfloat16 input
+            # under train.precision = bf16); vmap's batch_norm refuses mixed dtypes besides
+            x = x.float()
             if self.training and self.running_mean is not None:
                 var_C, mean_C = torch.var_mean(x.detach(), dims, correction=1)
                 self.batch.names.append(self.name)
