@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fedddp.client.rules import LocalRule
+from fedddp.params import positive
 from fedddp.strategies import Strategy
 
 CLASSES, CLIENTS, SIDE = 4, 12, 8
@@ -84,8 +85,7 @@ class ClippedSGD(LocalRule):
 
     @classmethod
     def check_params(cls, params: dict) -> list[str]:
-        clip = params["clip"]
-        return [] if clip > 0 else [f"algorithm.params.clip: must be > 0, got {clip}"]
+        return positive(params, "clip")  # fedddp.params: the checks rules share
 
     def direction(self, step):
         # step.norm: the client's L2 norm over every parameter (side by side: each client's)

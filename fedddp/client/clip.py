@@ -15,6 +15,7 @@ in fedddp/client/__init__.py (docs/extending.md, "Local rules").
 
 from __future__ import annotations
 
+from ..params import positive
 from ..registry import LOCAL_RULES
 from .rules import LocalRule
 
@@ -30,8 +31,7 @@ class Clip(LocalRule):
 
     @classmethod
     def check_params(cls, params: dict) -> list[str]:
-        max_norm = params["max_norm"]
-        return [] if max_norm > 0 else [f"algorithm.params.max_norm: must be > 0, got {max_norm}"]
+        return positive(params, "max_norm")
 
     def direction(self, step):
         # one client's norm and scale (0-dim), or each client's of a stack ([L], per_client reshapes)
