@@ -87,7 +87,7 @@ from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 
 # Devices where a BatchNorm model's step whose batches differ in width runs one call per width
 # instead of one padded call: on CPU the cost follows the samples computed, padding included
-# (1.6-1.7x on ResNet-18 steps with a partial batch, BENCHMARKS.md); on a GPU one large call is
+# (1.5x on ResNet-18 steps with a partial batch, BENCHMARKS.md); on a GPU one large call is
 # what side by side pays off through, so it stays padded until measured otherwise.
 SPLIT_DEVICES = ("cpu",)
 BATCH_NORM_MODELS = ("resnet18",)  # the built-ins with BatchNorm (plugin models are checked when built)
@@ -274,8 +274,9 @@ class _MaskedBatchNorm(nn.Module):
         shape = (1, -1) + (1,) * (x.dim() - 2)  # [C] broadcast over [S, C, ...]
         dims = [0] + list(range(2, x.dim()))
         if self.batch.full and (self.training or self.running_mean is None):
-            # no padding in this call: torch's fused kernel over all the samples (1.3x faster on a
-            # CPU ResNet-18 step, BENCHMARKS.md), the statistics for the running ones beside it
+            # no padding in this call: torch's fused kernel over all the samples (1.13x faster
+            # than masking on a CPU ResNet-18 step of 4 clients, BENCHMARKS.md), the statistics
+            # for the running ones beside it
             # in float32, as the masked form computes (its float32 mask promotes a bfloat16 input
             # under train.precision = bf16); vmap's batch_norm refuses mixed dtypes besides
             x = x.float()
