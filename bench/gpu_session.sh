@@ -58,7 +58,7 @@ step() {  # step NAME LIMIT COMMAND...: run it if asked for and in time, keep it
 step device 30 python3 -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__, \
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')"
 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_triton_kernels.py \
-    tests/test_strategies.py -k "cuda"
+    tests/test_strategies.py tests/test_spawn_guard.py -k "cuda or guard"
 step gpu_checks 180 python3 bench/gpu_checks.py --device cuda
 step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
 step aggregation_scale 120 python3 bench/aggregation_scale.py --device cuda --ranks 1 --clients 8 32 64

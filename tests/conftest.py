@@ -5,10 +5,12 @@ Markers (setup.cfg): ``processes`` a test that starts a process (``python -m fed
 through the round loop (here or in processes it starts), ``slow`` one that takes several seconds
 or more. ``python -m pytest -q tests -m
 "not processes"`` is the unit run. A test that starts a process without ``processes`` fails
-(``_spawn_guard``), so the marking cannot rot. The processes allowed anywhere are compilers
-building kernels: the C compiler filling the kernels' cache (strategies/kernels.py), a build step
-that any unit test of a server rule may trigger on a fresh machine, and Triton's ptxas in the
-tests that compile the Triton kernels for a GPU target.
+(``_spawn_guard``), so the marking cannot rot. The processes allowed anywhere are the kernels'
+builds (``_allowed``): the C compiler filling the kernels' cache (strategies/kernels.py), a build
+step that any unit test of a server rule may trigger on a fresh machine, and whatever Triton
+starts while it compiles or loads a kernel (ptxas, ``/sbin/ldconfig -p`` to find libcuda, the C
+compiler for its launcher, ``file -b`` through ``platform``), by whichever call it uses
+(``subprocess`` with or without ``os.posix_spawn`` beneath it).
 """
 
 import multiprocessing.process
@@ -31,16 +33,42 @@ _started: list[str] = []  # every process the running test started
 _experiments: list[int] = [0]  # round loops run here (fedddp.round.run; FEDDDP_TEST_SPAWN_LOG only)
 
 
-def _compiler(argv) -> bool:
-    """The kernels' build: ``$CC`` (default cc) on kernels.c, or a tool of Triton's own toolchain
-    (ptxas, shipped inside the triton package) compiling a kernel for a GPU target."""
-    args = [os.fspath(a) for a in ([argv] if isinstance(argv, (str, bytes, os.PathLike)) else argv)]
-    if not args:
-        return False
-    program = str(args[0])
-    if os.path.basename(program) == os.path.basename(os.environ.get("CC", "cc")):
-        return any(str(a).endswith("kernels.c") for a in args)
-    return f"{os.sep}triton{os.sep}backends{os.sep}" in program
+def _argv(argv) -> list[str]:
+    return [os.fsdecode(a) for a in ([argv] if isinstance(argv, (str, bytes, os.PathLike)) else argv)]
+
+
+def _kernels_build(argv) -> bool:
+    """``$CC`` (default cc) compiling the C kernels' source, kernels.c."""
+    args = _argv(argv)
+    return (bool(args) and os.path.basename(args[0]) == os.path.basename(os.environ.get("CC", "cc"))
+            and any(a.endswith("kernels.c") for a in args))
+
+
+def _package_dir(name: str) -> str | None:
+    """Where an installed package's files lie, found without importing it (None: not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    return os.path.join(os.path.dirname(spec.origin), "") if spec and spec.origin else None
+
+
+_TRITON_DIR = _package_dir("triton")
+
+
+def _from_triton() -> bool:
+    """A frame of Triton's own code is on the stack: what Triton starts while it compiles or
+    loads a kernel, whichever process and whichever call it uses (Triton's versions differ)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _TRITON_DIR and frame.f_code.co_filename.startswith(_TRITON_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _allowed(argv) -> bool:
+    """A process any test may start: the kernels' builds (the module's docstring)."""
+    return _kernels_build(argv) or _from_triton()
 
 
 def _refuse(what: str) -> None:
@@ -53,6 +81,9 @@ def _refuse(what: str) -> None:
                     "@pytest.mark.processes (tests/conftest.py, setup.cfg)", pytrace=False)
 
 
+# subprocess.Popen judged its child already: the os call it makes beneath (os.posix_spawn where
+# close_fds=False, fork and exec otherwise) is the same process, not another to judge.
+_inside_popen = threading.local()
 _popen_execute_child = subprocess.Popen._execute_child
 _process_start = multiprocessing.process.BaseProcess.start
 _os_calls = {name: getattr(os, name) for name in ("system", "fork", "forkpty", "posix_spawn",
@@ -61,9 +92,13 @@ _os_calls = {name: getattr(os, name) for name in ("system", "fork", "forkpty", "
 
 
 def _guarded_execute_child(self, args, *rest, **kwargs):
-    if not _compiler(args):
-        _refuse(f"subprocess: {args if isinstance(args, str) else ' '.join(map(str, args))[:120]}")
-    return _popen_execute_child(self, args, *rest, **kwargs)
+    if not _allowed(args):
+        _refuse(f"subprocess: {' '.join(_argv(args))[:120]}")
+    _inside_popen.depth = getattr(_inside_popen, "depth", 0) + 1
+    try:
+        return _popen_execute_child(self, args, *rest, **kwargs)
+    finally:
+        _inside_popen.depth -= 1
 
 
 def _guarded_start(self):
@@ -75,7 +110,11 @@ def _guarded_os(name):
     original = _os_calls[name]
 
     def call(*args, **kwargs):
-        _refuse(f"os.{name}")
+        if not getattr(_inside_popen, "depth", 0):
+            # posix_spawn(path, argv, env), spawnv(mode, path, argv), execv(path, argv): the argv
+            argv = next((a for a in args if isinstance(a, (list, tuple))), None)
+            if not (_from_triton() or (argv is not None and _kernels_build(argv))):
+                _refuse(f"os.{name}")
         return original(*args, **kwargs)
     return call
 

@@ -32,6 +32,7 @@ LAYERS = [
     ["__main__"],
     ["slurm"],                              # submitit launcher over the command line
     ["study"],                              # study tools: sweeps, summaries, results, plots
+    ["sweep", "summary", "results", "plot"],  # the study tools' old names, for one release
 ]
 
 # fedddp imports that may sit inside a function: (importing module, imported module) -> why
