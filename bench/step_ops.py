@@ -1,0 +1,214 @@
+"""Ops dispatched per side-by-side step, by kind: fedddp's step (``BatchedTrainer.train_group``)
+against the plain step its math needs, ``vmap(grad(loss))`` plus the optimizer as
+``torch._foreach_*`` over the stacks, on the same model, clients and batches.
+
+On a GPU each op dispatched is at least one kernel launch, and a step of many small clients is
+bound by launches and host work, not arithmetic: the count is the figure that moves a GPU step,
+and it is the same on CPU (counted there, so it needs no GPU). Counted with ``torch.profiler``:
+top-level ``aten::`` ops (not those an op calls inside itself), views and allocations left out
+(``UNCOUNTED``). fedddp's per-step count is the difference of two runs of the same group, one
+with more steps than the other, over the difference in steps: what is paid once a group (stacks,
+reports) cancels.
+
+    python bench/step_ops.py [--clients 10] [--cases sgd,momentum,adam,fedprox,scaffold,dropout,batchnorm]
+                             [--device cpu|cuda] [--by-kind]
+
+Cases: the seed CNN (1x28x28, 10 classes), batch 10, plain SGD unless named: ``momentum``
+(SGD, momentum 0.9), ``adam``, ``fedprox`` (mu 0.01), ``scaffold``, ``dropout`` (a CNN with
+nn.Dropout(0.5) before its last layer), ``batchnorm`` (a CNN with BatchNorm2d after its first
+convolution, flat buffers). Prints a row per case: fedddp's ops a step, the plain step's, and
+their ratio; ``--by-kind`` adds each one's count by op name. ``tests/test_step_ops.py`` pins
+fedddp's counts (a count, never a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Ops that launch no computation: views, metadata, and allocations whose memory the next op writes
+UNCOUNTED = frozenset({
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::as_strided", "aten::expand", "aten::select",
+    "aten::slice", "aten::unsqueeze", "aten::squeeze", "aten::t", "aten::transpose", "aten::permute",
+    "aten::alias", "aten::detach", "aten::lift_fresh", "aten::empty", "aten::empty_like", "aten::empty_strided",
+    "aten::resize_", "aten::unbind", "aten::split", "aten::chunk", "aten::narrow", "aten::flatten",
+    "aten::view_as", "aten::expand_as", "aten::contiguous", "aten::result_type", "aten::is_nonzero",
+    "aten::_reshape_alias", "aten::set_", "aten::unflatten", "aten::numpy_T", "aten::movedim",
+})
+CASES = ("sgd", "momentum", "adam", "fedprox", "scaffold", "dropout", "batchnorm")
+BATCH = 10
+SAMPLES = 40  # a client's samples: 4 full batches an epoch
+
+
+def counted(fn) -> collections.Counter:
+    """The top-level aten ops ``fn()`` dispatches, by name, less ``UNCOUNTED``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ops = collections.Counter()
+    for event in prof.events():
+        if event.name.startswith("aten::") and event.name not in UNCOUNTED:
+            parent = event.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            if parent is None:
+                ops[event.name] += 1
+    return ops
+
+
+def model_of(case: str, torch):
+    """The seed CNN, or with nn.Dropout or BatchNorm2d added (``case``)."""
+    from torch import nn
+
+    from fedddp import models
+
+    torch.manual_seed(0)
+    return _with(case, nn) if case in ("dropout", "batchnorm") else models.cnn((1, 28, 28), 10)
+
+
+def _with(case: str, nn):
+    layers = [nn.Conv2d(1, 8, 5), nn.BatchNorm2d(8) if case == "batchnorm" else nn.Identity(), nn.ReLU(),
+              nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 12 * 12, 32), nn.ReLU()]
+    if case == "dropout":
+        from fedddp.models.dropout import SeededDropout
+        layers.append(SeededDropout(0.5, 0))
+    return nn.Sequential(*layers, nn.Linear(32, 10))
+
+
+def overrides_of(case: str, clients: int) -> list[str]:
+    out = ["data.name=mnist", f"train.batch_size={BATCH}", "train.lr=0.01", "data.num_clients=1000",
+           f"run.parallel_clients={clients}", "model.flat_buffers=true"]
+    return out + {"momentum": ["train.momentum=0.9"], "adam": ["train.optimizer=adam"],
+                  "fedprox": ["algorithm.name=fedprox", "algorithm.params.prox_mu=0.01"],
+                  "scaffold": ["algorithm.name=scaffold"]}.get(case, [])
+
+
+def fedddp_step(case: str, clients: int, device, steps: int):
+    """A function that trains one group of ``clients`` side by side for ``steps`` steps."""
+    import torch
+
+    from fedddp import checks, strategies, tasks
+    from fedddp.client import ClientContext, rules
+    from fedddp.client.batched import BatchedTrainer
+    from fedddp.data import ClientData
+    from fedddp.flat import FlatLayout
+    from fedddp.registry import resolve
+
+    cfg = checks.load(None, overrides_of(case, clients) + [f"train.local_steps={steps}"])
+    model = model_of(case, torch).to(device)
+    layout = FlatLayout(model, buffers=True)
+    global_P = layout.flatten(model).clone()
+    local, server = resolve(cfg.algorithm)
+    rule = rules.get(local)
+    needs = strategies.ALWAYS | strategies.get(server).needs_for(cfg.algorithm)
+    task = tasks.get("classification")
+    trainer = BatchedTrainer(model, layout, cfg, rule, needs, task)
+    gen = torch.Generator().manual_seed(1)
+    data = [ClientData(torch.randn(SAMPLES, 1, 28, 28, generator=gen).to(device),
+                       torch.randint(0, 10, (SAMPLES,), generator=gen).to(device)) for _ in range(clients)]
+    rows_KP = torch.zeros(clients, layout.numel, device=device)
+    server_view = {"control_P": torch.full_like(global_P, 1e-3)}
+    control_KP = torch.full((clients, layout.numel), 2e-3, device=device)
+
+    def once():
+        group = []
+        for k, d in enumerate(data):
+            # SCAFFOLD's controls: the server's c and the client's c_k, each nonzero as after a round
+            ctx = ClientContext(k, 2, global_P, layout, cfg.algorithm, dict(server_view),
+                                {"control_P": control_KP[k]}, task=task)
+            group.append((ctx, d, 1000 + k, 0, {"params_P": rows_KP[k], "last_grad_P": rows_KP[k].clone(),
+                                                "control_delta_P": rows_KP[k].clone()}))
+        trainer.train_group(group)
+    return once
+
+
+def plain_step(case: str, clients: int, device):
+    """One step of the math alone: vmap(grad(loss)) and the optimizer as _foreach ops."""
+    import torch
+    import torch.nn.functional as F
+    from torch.func import functional_call, grad, vmap
+
+    model = models_cnn(torch).to(device)
+    names = [n for n, _ in model.named_parameters()]
+    params_T = [p.detach().expand((clients,) + p.shape).clone() for p in model.parameters()]
+    x = torch.randn(clients, BATCH, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (clients, BATCH), device=device)
+
+    def loss(params, xb, yb):
+        return F.cross_entropy(functional_call(model, dict(zip(names, params)), (xb,)), yb)
+    grads = vmap(grad(loss))
+    momentum_T = [torch.zeros_like(p) for p in params_T]
+    exp_avg_T = [torch.zeros_like(p) for p in params_T]
+    exp_avg_sq_T = [torch.zeros_like(p) for p in params_T]
+
+    def once():
+        g_T = grads(params_T, x, y)
+        if case == "momentum":
+            torch._foreach_mul_(momentum_T, 0.9)
+            torch._foreach_add_(momentum_T, g_T)
+            torch._foreach_add_(params_T, momentum_T, alpha=-0.01)
+        elif case == "adam":
+            torch._foreach_lerp_(exp_avg_T, g_T, 0.1)
+            torch._foreach_mul_(exp_avg_sq_T, 0.999)
+            torch._foreach_addcmul_(exp_avg_sq_T, g_T, g_T, 0.001)
+            denom = torch._foreach_sqrt(exp_avg_sq_T)
+            torch._foreach_add_(denom, 1e-8)
+            torch._foreach_addcdiv_(params_T, exp_avg_T, denom, -0.01)
+        else:
+            torch._foreach_add_(params_T, g_T, alpha=-0.01)
+    return once
+
+
+def models_cnn(torch):
+    from fedddp import models
+
+    torch.manual_seed(0)
+    return models.cnn((1, 28, 28), 10)
+
+
+def measure(case: str, clients: int, device_name: str) -> dict:
+    import torch
+
+    sys.path.insert(0, REPO)
+    device = torch.device(device_name)
+    short, long = 2, 6
+    runs = {steps: fedddp_step(case, clients, device, steps) for steps in (short, long)}
+    for once in runs.values():
+        once()  # warm-up: first calls set up what they cache
+    counts = {steps: counted(once) for steps, once in runs.items()}
+    per_step = collections.Counter({name: (counts[long][name] - counts[short][name]) / (long - short)
+                                    for name in counts[long] | counts[short]})
+    per_step = collections.Counter({k: v for k, v in per_step.items() if v})
+    plain = plain_step(case, clients, device)
+    plain()
+    plain_ops = counted(plain)
+    ours, base = sum(per_step.values()), sum(plain_ops.values())
+    return {"case": case, "fedddp": ours, "plain": base, "ratio": ours / base, "fedddp_ops": per_step,
+            "plain_ops": plain_ops}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=10)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--by-kind", action="store_true")
+    args = parser.parse_args(argv)
+    print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}")
+    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6}")
+    for case in args.cases.split(","):
+        row = measure(case, args.clients, args.device)
+        print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f}", flush=True)
+        if args.by_kind:
+            for label, ops in (("fedddp", row["fedddp_ops"]), ("plain", row["plain_ops"])):
+                print(f"  {label}: " + ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in ops.most_common()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
