@@ -23,6 +23,7 @@ import torch
 from fedddp import strategies
 from fedddp.strategies import kernels
 from fedrun import REPO, assert_same_state, final_state, run_fedddp, run_here
+from test_fedadam import ROUNDING_CASES, check_rounding
 from test_strategies import (as_gather_views, assert_close, hp_of, make_inputs, run, twin_cgw,
                              twin_feder, twin_fedcong, twin_fedgma, twin_fedmom, twin_weights)
 
@@ -183,6 +184,15 @@ def test_feder_matches_twin(interpreted, num_clients, strided):
     stacks["conv_runs_R3"] = runs_R3(stacks["conv_group_P"])
     new_P, _, _ = aggregate("feder", global_P, stacks, hp_of())
     assert_close(new_P, twin_feder(global_P, stacks))
+
+
+@pytest.mark.parametrize("eta,tau", ROUNDING_CASES)
+def test_fedadam_unmoved_coordinates_stay_and_small_moves_match_the_twin(interpreted, eta, tau):
+    """FedAdam's delta, sum_k p_k (w_k - w), through the Triton mean: test_fedadam.py's checks."""
+    def triton_form(global_P, stacks, state, hp):
+        return aggregate("fedadam", global_P, stacks, hp, state)
+
+    check_rounding(triton_form, eta, tau)
 
 
 # -- neutral settings, determinism, the C kernels' bits ----------------------------------------
