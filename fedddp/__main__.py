@@ -8,8 +8,9 @@
 --check reads the config and builds every client's data and the model in this one process
 (what all ranks together would load), runs one forward pass to compare the model's output with
 the task (classes or regression; with run.parallel_clients > 1 it tries one side-by-side step
-too), then says OK or exits with the status the run would: the launchers run it
-before they start any rank.
+too), makes every other refusal the run makes before round 1 (run.out_dir, a resume's checkpoint,
+a batch of one sample for BatchNorm) without writing anything, then says OK or exits with the
+status the run would: the launchers run it before they start any rank.
 
 Exit status: 0 done; 2 bad configuration; 3 data missing, unreadable or not finite; 4 the model
 diverged; 5 disk full; 6 a rank stopped answering for run.collective_timeout_s; 7 your own code
@@ -33,10 +34,9 @@ from . import checks, config, env
 from . import algorithms
 from .algorithms import build_model
 from .api import execute
-from .client.batched import try_side_by_side
 from .data import build
-from .logs import require_tensorboard
-from .outdir import refuse_fresh_run
+from .outdir import check_out_dir
+from .round import refuse_before_data, refuse_before_round_one
 from .errors import DataError, PluginError, StalledError, UserError
 
 
@@ -88,18 +88,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(path: str | None, overrides: list[str], data: bool = True) -> config.Config:
     """The config, then (with ``data``) every client's data, in this process: a mistake raises
-    the UserError the run would have raised. The launchers call this before any rank starts."""
+    the UserError the run would have raised. The launchers call this before any rank starts.
+    The refusals past the config are the run's own functions (fedddp.round), called in its order,
+    which write nothing: a refusal added to the run's setup is made here too."""
     cfg = checks.load(path, overrides)
-    if not cfg.run.resume:
-        refuse_fresh_run(cfg.run.out_dir, cfg.run.overwrite)
-    if cfg.run.tensorboard:
-        require_tensorboard()
+    check_out_dir(cfg.run.out_dir)
+    refuse_before_data(cfg)
     if data:
         built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
         model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
-        # one side-by-side step, as the run tries before round 1 (auto falls back to 1 where it fails)
-        if cfg.run.parallel_clients != "auto" and cfg.run.parallel_clients > 1:
-            try_side_by_side(cfg, model, built)
+        refuse_before_round_one(cfg, model, built)
     return cfg
 
 

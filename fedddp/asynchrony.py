@@ -43,8 +43,6 @@ _SPEED_STREAM = 0x5BEED
 _PICK_STREAM = 0xA51C
 _TRAIN_STREAM = 0xA5C1
 
-DISTRIBUTIONS = ("constant", "uniform", "lognormal", "file")
-
 
 # -- speeds -----------------------------------------------------------------------------------
 
@@ -104,11 +102,14 @@ def read_speed_file(path: str, num_clients: int) -> list[float]:
     speeds: dict[int, float] = {}
     for cid, seconds in pairs:
         try:
-            cid, seconds = int(str(cid).strip()), float(seconds)
+            cid = int(str(cid).strip())
+            seconds = float(seconds)
         except (TypeError, ValueError):
             raise ValueError(f"{path}: {cid!r}: {seconds!r} is not client_id: seconds_per_step") from None
+        except OverflowError:  # a JSON integer past a float's range
+            seconds = math.inf
         if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"{path}: client {cid} has {seconds!r} seconds per step; each must be > 0")
+            raise ValueError(f"{path}: client {cid} has {seconds!r} seconds per step; each must be finite and > 0")
         speeds[cid] = seconds
     missing = [c for c in range(num_clients) if c not in speeds]
     if missing:
@@ -118,7 +119,8 @@ def read_speed_file(path: str, num_clients: int) -> list[float]:
 
 
 def client_speeds(spec: str, num_clients: int, data_seed: int) -> list[float]:
-    """Each client's seconds per local step (see the module doc); ValueError for a bad spec."""
+    """Each client's seconds per local step (see the module doc); ValueError for a bad spec,
+    also for one that draws a client a speed a float cannot hold (0 or past its range)."""
     kind, args = parse_speed(spec)
     if kind == "file":
         return read_speed_file(args[0], num_clients)
@@ -127,13 +129,27 @@ def client_speeds(spec: str, num_clients: int, data_seed: int) -> list[float]:
     speeds = []
     for cid in range(num_clients):
         gen = torch.Generator().manual_seed(_mix(_SPEED_STREAM, data_seed, cid))
-        if kind == "uniform":
+        if kind == "uniform":  # within [A, B], which parse_speed keeps positive and finite
             u = torch.rand((), generator=gen, dtype=torch.float64).item()
             speeds.append(args[0] + (args[1] - args[0]) * u)
         else:
-            z = torch.randn((), generator=gen, dtype=torch.float64).item()
-            speeds.append(args[1] * math.exp(args[0] * z))
+            speeds.append(_lognormal(spec, cid, *args, torch.randn((), generator=gen, dtype=torch.float64).item()))
     return speeds
+
+
+def _lognormal(spec: str, cid: int, sigma: float, median: float, z: float) -> float:
+    """MEDIAN exp(SIGMA z), or ValueError where that leaves a float's range: a large SIGMA or an
+    extreme MEDIAN overflows (math.exp raises OverflowError) or underflows to 0, and the
+    simulated clock needs every speed > 0 and finite."""
+    try:
+        speed = median * math.exp(sigma * z)
+    except OverflowError:
+        speed = math.inf
+    if not 0 < speed < math.inf:
+        raise ValueError(f"{spec!r} draws client {cid} MEDIAN x exp(SIGMA z) = {median:g} x exp({sigma:g} x "
+                         f"{z:.3g}) seconds per step, {'past' if speed else 'below'} a float's range; lower SIGMA "
+                         "(or bring MEDIAN nearer 1) so that every client's speed is > 0 and finite")
+    return speed
 
 
 def sync_round_seconds(steps: list[int], speeds: list[float]) -> float:
@@ -292,10 +308,8 @@ def allowed_algorithms() -> list[str]:
 def check(cfg) -> list[str]:
     """Configuration errors of data.client_speed and the async keys, each one line naming its key."""
     errors = []
-    try:
-        kind, args = parse_speed(cfg.data.client_speed)
-        if kind == "file":
-            read_speed_file(args[0], cfg.data.num_clients)
+    try:  # every client's speed, as the run draws them: a spec whose draws are unusable is refused here
+        client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
     except ValueError as exc:
         errors.append(f"data.client_speed: {exc}")
     rc, n = cfg.run, cfg.data.num_clients

@@ -219,10 +219,18 @@ def _damaged(path: str, number: int, what: str) -> DataError:
                      "run.resume=false run.overwrite=true")
 
 
-def cut_back(out_dir: str, last_round: int) -> None:
-    """On resume (rank 0, before any data loads): drop the rows past the checkpoint's round from
-    metrics.jsonl, clients.jsonl and metrics.csv (a crash may have left some). Every file is read
-    first, so a damaged line is one DataError naming its file and line and nothing is rewritten."""
+def cut_back(kept: dict[str, list[str]]) -> None:
+    """On resume (rank 0, before any data loads): rewrite metrics.jsonl, clients.jsonl and
+    metrics.csv with ``kept_rows``' lines, those of the checkpoint's round and before (a crash
+    may have left rows past it)."""
+    for path, lines in kept.items():
+        checkpoint.atomic_write_text("".join(lines), path)
+
+
+def kept_rows(out_dir: str, last_round: int) -> dict[str, list[str]]:
+    """Each of metrics.jsonl, clients.jsonl and metrics.csv (those present) -> its lines up to
+    ``last_round``, read and changing nothing: a damaged line is one DataError naming its file
+    and line before anything is rewritten (and ``python -m fedddp --check`` refuses it too)."""
     kept = {}
     for name in JSONL:
         path = os.path.join(out_dir, name)
@@ -257,5 +265,4 @@ def cut_back(out_dir: str, last_round: int) -> None:
         buffer = io.StringIO()
         csv.writer(buffer, lineterminator="\n").writerows(keep)
         kept[path] = [buffer.getvalue()]
-    for path, lines in kept.items():
-        checkpoint.atomic_write_text("".join(lines), path)
+    return kept

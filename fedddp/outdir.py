@@ -4,8 +4,9 @@
 takes an exclusive ``fcntl.flock`` on ``out_dir/.lock`` for the run's life; the lock file holds
 the holder's pid and host, so a second run into the folder can say who has it. The OS drops a
 flock when its process dies, so a killed run (and a group that torchrun restarts) never leaves
-a stale lock behind. ``disk_full_is_one_line`` turns a full disk into one line naming the file
-system and the last complete checkpoint.
+a stale lock behind. ``check_out_dir`` makes its refusals without making or locking anything
+(``python -m fedddp --check``). ``disk_full_is_one_line`` turns a full disk into one line naming
+the file system and the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -37,26 +38,21 @@ class OutDirLock:
 
 def open_out_dir(out_dir: str) -> OutDirLock:
     """Create ``out_dir`` if needed and lock it, or one ConfigError saying why not."""
-    if not out_dir.strip():
-        raise ConfigError("run.out_dir: empty; name the run's output folder, e.g. run.out_dir=runs/x")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise ConfigError(f"run.out_dir: {out_dir} is a file, not a folder; pick another run.out_dir")
+    check_out_dir(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
         fh = open(os.path.join(out_dir, LOCK), "a+")
-    except OSError as exc:
+    except OSError as exc:  # what check_out_dir cannot foresee (a full disk), or a change since
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFullError(f"{exc.strerror}: cannot create {out_dir} or its lock file") from None
-        raise ConfigError(f"run.out_dir: cannot write to {out_dir} ({exc.strerror}); pick a writable "
-                          "run.out_dir") from None
+        raise _unwritable(out_dir, exc.strerror) from None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except BlockingIOError:  # a run that took the folder since check_out_dir looked
         fh.seek(0)
         holder = fh.read().strip() or "unknown pid"
         fh.close()
-        raise ConfigError(f"run.out_dir: {out_dir} is in use by another run ({holder}); wait for it to "
-                          "end or pick another run.out_dir") from None
+        raise _in_use(out_dir, holder) from None
     except OSError as exc:  # a file system without locks (some NFS setups): run, but say so
         print(f"fedddp: warning: cannot lock {out_dir} ({exc.strerror}); make sure no other run uses it",
               file=sys.stderr, flush=True)
@@ -65,6 +61,51 @@ def open_out_dir(out_dir: str) -> OutDirLock:
     fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     fh.flush()
     return OutDirLock(fh)
+
+
+def check_out_dir(out_dir: str) -> None:
+    """open_out_dir's refusals, making and locking nothing, so ``python -m fedddp --check`` makes
+    them too: an empty name, a file, a folder that cannot be made or written, one that a run
+    holds."""
+    if not out_dir.strip():
+        raise ConfigError("run.out_dir: empty; name the run's output folder, e.g. run.out_dir=runs/x")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"run.out_dir: {out_dir} is a file, not a folder; pick another run.out_dir")
+    existing = _existing(out_dir)  # the folder, or where os.makedirs would start making it
+    if not os.path.isdir(existing):
+        raise _unwritable(out_dir, os.strerror(errno.ENOTDIR))
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        raise _unwritable(out_dir, os.strerror(errno.EROFS if read_only else errno.EACCES))
+    holder = _holder(out_dir)
+    if holder is not None:
+        raise _in_use(out_dir, holder)
+
+
+def _holder(out_dir: str) -> str | None:
+    """Who holds ``out_dir``'s lock ("pid N on HOST"), or None where no run does. A shared lock,
+    dropped at once, conflicts only with a run's exclusive one."""
+    try:
+        fh = open(os.path.join(out_dir, LOCK))
+    except OSError:
+        return None  # no lock file: no run has held the folder
+    with fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return fh.read().strip() or "unknown pid"
+        except OSError:
+            return None  # a file system without locks: the run warns and runs
+    return None
+
+
+def _unwritable(out_dir: str, why: str) -> ConfigError:
+    return ConfigError(f"run.out_dir: cannot write to {out_dir} ({why}); pick a writable run.out_dir")
+
+
+def _in_use(out_dir: str, holder: str) -> ConfigError:
+    return ConfigError(f"run.out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or pick "
+                       "another run.out_dir")
 
 
 def results_in(out_dir: str) -> list[str]:

@@ -21,7 +21,7 @@ from . import asynchrony, checkpoint, config, logs, outdir, participation, strat
 from .algorithms import build_model, describe as describe_algorithm, sampling_of
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import parallel, precision, rules as local_rules
-from .client.batched import BatchedTrainer
+from .client.batched import BatchedTrainer, try_side_by_side
 from .client.state import fetch as fetch_client_states, open_store as open_client_states, send_home
 from .data import ClientData, LazyClients, build as build_data
 from .data.build import BUILT_WHOLE
@@ -201,12 +201,7 @@ def run(cfg: config.Config, comm) -> dict:
     if comm.is_main:
         try:
             lock = outdir.open_out_dir(cfg.run.out_dir)
-            if cfg.run.tensorboard:
-                logs.require_tensorboard()
-            if cfg.run.resume:
-                resume_round = _choose_checkpoint(cfg)
-            else:
-                outdir.refuse_or_clear(cfg.run.out_dir, cfg.run.overwrite)
+            resume_round = _start(cfg, refuse_before_data(cfg))
         except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is re-raised
             error = exc
     try:
@@ -217,29 +212,40 @@ def run(cfg: config.Config, comm) -> dict:
             lock.release()
 
 
-def _choose_checkpoint(cfg: config.Config) -> int:
-    """The round of the newest complete checkpoint in out_dir, of this run (0: none yet), with
-    the rows past it cut from the metrics files (they are redone)."""
+@dataclass
+class Resume:
+    """What a resume continues: the newest complete checkpoint's folder and manifest (None: none
+    yet, the run starts from round 1), the round folders skipped and why, and the metrics files'
+    lines it keeps (logs.kept_rows)."""
+
+    folder: str | None
+    manifest: dict | None
+    skipped: list[str]
+    kept: dict[str, list[str]]
+
+
+def refuse_before_data(cfg: config.Config) -> Resume | None:
+    """Rank 0's refusals before any data loads, reading and changing nothing: the run makes them
+    with run.out_dir locked, ``python -m fedddp --check`` (fedddp.__main__.check) before any rank
+    starts, so it exits with the status the run would. No TensorBoard for run.tensorboard; a fresh
+    run into a folder holding results without run.overwrite; a resume whose round folders are all
+    incomplete though some save finished (damaged, not interrupted), whose newest complete
+    checkpoint is of another run or past run.rounds, or whose metrics files have a damaged line.
+    A resume's choice (for ``_start``); None for a fresh run."""
+    if cfg.run.tensorboard:
+        logs.require_tensorboard()
+    if not cfg.run.resume:
+        outdir.refuse_fresh_run(cfg.run.out_dir, cfg.run.overwrite)
+        return None
     ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
     folder, manifest, skipped = checkpoint.newest_complete(ckpt_root)
     if folder is None:
-        folders = [f for _, f in checkpoint.round_folders(ckpt_root)]
-        if skipped and not any(os.path.exists(os.path.join(f, checkpoint.MANIFEST)) for f in folders):
-            # No save ever finished (a full disk or a kill during the first checkpoint): there is
-            # nothing to continue and nothing to lose, so the rerun that the exit-5 line advises
-            # and a torchrun restart start from round 1 instead of refusing.
-            for f in folders:
-                shutil.rmtree(f)
-            print(f"fedddp: no checkpoint in {ckpt_root} was ever completed ({'; '.join(skipped)}); removed "
-                  "its round folder(s), starting from round 1", file=sys.stderr, flush=True)
-            return 0
-        if skipped:
+        if skipped and any(os.path.exists(os.path.join(f, checkpoint.MANIFEST))
+                           for _, f in checkpoint.round_folders(ckpt_root)):
             raise DataError(f"checkpoints: {len(skipped)} round folder(s) in {ckpt_root} but none is "
                             f"complete ({'; '.join(skipped)}); nothing to resume: start over with "
                             "run.resume=false run.overwrite=true")
-        print(f"fedddp: run.resume=true but {ckpt_root} holds no checkpoint; starting from round 1",
-              file=sys.stderr, flush=True)
-        return 0
+        return Resume(None, None, skipped, {})
     changes = checkpoint.identity_changes(manifest["identity"], checkpoint.identity(cfg))
     if changes:
         raise ConfigError(f"run.resume: the checkpoint {folder} is of another run: {'; '.join(changes)}; "
@@ -248,11 +254,37 @@ def _choose_checkpoint(cfg: config.Config) -> int:
         raise ConfigError(f"run.rounds: {cfg.run.rounds} is below the round of the checkpoint {folder} "
                           f"({manifest['round']}); set run.rounds >= {manifest['round']} to continue it")
     # a damaged row is one line (exit 3) here, before any data loads
-    with outdir.disk_full_is_one_line("metrics.jsonl, metrics.csv and clients.jsonl", cfg.run.out_dir, folder):
-        logs.cut_back(cfg.run.out_dir, manifest["round"])
-    why = f"; skipped {'; '.join(skipped)}" if skipped else ""
-    print(f"fedddp: resuming from round {manifest['round']} ({folder}){why}", file=sys.stderr, flush=True)
-    return manifest["round"]
+    return Resume(folder, manifest, skipped, logs.kept_rows(cfg.run.out_dir, manifest["round"]))
+
+
+def _start(cfg: config.Config, resume: Resume | None) -> int:
+    """Where the run starts, after ``refuse_before_data``: a fresh run clears the folder's earlier
+    results (run.overwrite); a resume cuts the metrics files back to its checkpoint's round.
+    Returns that round (0: the run starts from round 1)."""
+    if resume is None:
+        outdir.refuse_or_clear(cfg.run.out_dir, cfg.run.overwrite)
+        return 0
+    ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
+    if resume.folder is None:
+        if resume.skipped:
+            # No save ever finished (a full disk or a kill during the first checkpoint): there is
+            # nothing to continue and nothing to lose, so the rerun that the exit-5 line advises
+            # and a torchrun restart start from round 1 instead of refusing.
+            for _, f in checkpoint.round_folders(ckpt_root):
+                shutil.rmtree(f)
+            print(f"fedddp: no checkpoint in {ckpt_root} was ever completed ({'; '.join(resume.skipped)}); "
+                  "removed its round folder(s), starting from round 1", file=sys.stderr, flush=True)
+        else:
+            print(f"fedddp: run.resume=true but {ckpt_root} holds no checkpoint; starting from round 1",
+                  file=sys.stderr, flush=True)
+        return 0
+    with outdir.disk_full_is_one_line("metrics.jsonl, metrics.csv and clients.jsonl", cfg.run.out_dir,
+                                      resume.folder):
+        logs.cut_back(resume.kept)
+    why = f"; skipped {'; '.join(resume.skipped)}" if resume.skipped else ""
+    print(f"fedddp: resuming from round {resume.manifest['round']} ({resume.folder}){why}", file=sys.stderr,
+          flush=True)
+    return resume.manifest["round"]
 
 
 @dataclass
@@ -557,13 +589,9 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
     model = build_model(cfg, data.input_shape, data.num_classes, data.task).to(device)
-    check_one_sample_batches(model, data.input_shape, data.num_samples, cfg.train.batch_size, cfg.model.name)
     task = tasks.get(data.task)
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()
-    # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap)
-    client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
-        rc.out_dir, "client_state", f"rank{comm.rank}"))
     ckpt_root = os.path.join(rc.out_dir, "checkpoints")
     # run.parallel_clients = auto becomes the B this run uses (in cfg: config.toml and the
     # checkpoints' identity record it); on resume the checkpoint's B, which decides the bits
@@ -577,20 +605,18 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         clients_note += ("; run.compile: compile applies to side by side only, one after another runs eagerly"
                          if rc.parallel_clients == 1 else "; run.compile: the side-by-side step compiles in the warm-up")
     trainer = (SideBySide if rc.parallel_clients > 1 else OneAfterAnother)(model, layout, cfg, rule, needs, task)
-    if rc.parallel_clients > 1:
-        # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
-        trainer.batched.try_first_client(data.train, data.num_samples,
-                                         range(cfg.data.num_clients) if balanced else owned)
+    speeds = refuse_before_round_one(cfg, model, data, trainer.batched if rc.parallel_clients > 1 else None,
+                                     range(cfg.data.num_clients) if balanced else owned)
+    # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap),
+    # after the refusals: an mmap store writes its files in run.out_dir
+    client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
+        rc.out_dir, "client_state", f"rank{comm.rank}"))
     run = Setup(cfg, data, task, model, layout, strategy, rule, trainer,
                 ReportLayout(needs, layout.numel, len(layout.conv_entries())), _static_stacks(needs, cfg, layout, device),
                 client_states, balanced, [expected_cost(n, cfg.train) for n in data.num_samples],
                 ckpt_root, global_P, strategy.init_state(global_P, cfg.algorithm),
                 rows_buffer=torch.empty(0, 0, device=device), clients_note=clients_note,
-                every_round=strategy.private and rc.sampling == "poisson")
-    try:
-        run.speeds = asynchrony.client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
-    except ValueError as exc:  # checked when the config loaded; a file changed since
-        raise ConfigError(f"data.client_speed: {exc}") from None
+                every_round=strategy.private and rc.sampling == "poisson", speeds=speeds)
     if rc.mode == "async":
         run.clock, run.versions = asynchrony.Clock(), {}
     if rc.aggregation == "sharded" and strategy.aggregate_span is not None:
@@ -616,6 +642,29 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
     run.clients_note = "; ".join(filter(None, [run.clients_note, warmup.warm_up(run, comm)]))
     comm.broadcast_(global_P)
     return run
+
+
+def refuse_before_round_one(cfg: config.Config, model, data, batched: BatchedTrainer | None = None,
+                            ids=None) -> list[float]:
+    """The refusals that need the built data and model, made before round 1 by the run's setup
+    and by ``python -m fedddp --check`` (fedddp.__main__.check) alike, so --check exits with the
+    status the run would: a train.batch_size that leaves a client a last batch of one sample for
+    a model with BatchNorm; a model whose side-by-side step cannot run (run.parallel_clients > 1,
+    tried on the first client of ``ids`` with samples by ``batched``, the run's trainer; --check
+    has none and builds one); a data.client_speed file that changed since the config loaded.
+    Returns each client's simulated seconds per local step."""
+    check_one_sample_batches(model, data.input_shape, data.num_samples, cfg.train.batch_size, cfg.model.name)
+    # auto is resolved by the run's setup (client/parallel.py) and falls back to 1 where side by side fails
+    if cfg.run.parallel_clients != parallel.AUTO and cfg.run.parallel_clients > 1:
+        # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
+        if batched is None:
+            try_side_by_side(cfg, model, data)
+        else:
+            batched.try_first_client(data.train, data.num_samples, ids)
+    try:
+        return asynchrony.client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
+    except ValueError as exc:  # checked when the config loaded; a file changed since
+        raise ConfigError(f"data.client_speed: {exc}") from None
 
 
 def _schedule_words(cfg) -> str:

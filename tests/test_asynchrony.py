@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from fedddp import asynchrony, checks
+from fedddp.__main__ import check, main
 from fedddp.asynchrony import Clock, Flight, Schedule
 from fedddp.errors import ConfigError
 from fedddp.strategies import fedavg
 from fedddp.strategies.base import client_weights_K
-from fedrun import assert_same_state, client_rows, final_state, metrics, run_fedddp_each, run_here
+from fedrun import QUICKSTART, assert_same_state, client_rows, final_state, metrics, run_fedddp_each, run_here
 
 
 def schedule(n, c, b, speeds, steps=lambda cid, start: 1, seed=0) -> Schedule:
@@ -221,6 +222,52 @@ def test_config_errors_are_one_line(overrides, says):
     with pytest.raises(ConfigError) as info:
         checks.load(os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.toml"), overrides)
     assert says in str(info.value) and "\n" not in str(info.value)
+
+
+# Speed files with an entry that is no usable seconds per step (huge.json: an integer past a float).
+SPEED_FILES = {"inf.csv": "0,1\n1,inf\n", "nan.csv": "0,1\n1,nan\n", "zero.csv": "0,0\n1,1\n",
+               "negative.csv": "0,-1\n1,1\n", "e400.csv": "0,1\n1,1e400\n",
+               "huge.json": '{"0": 1%s, "1": 1}' % ("0" * 400)}
+
+UNUSABLE_SPEEDS = [
+    # the draws leave a float's range: exp(800 z) raised OverflowError (a traceback, exit 1), the
+    # others gave a speed of inf or 0, and --check said OK to all three
+    ("lognormal:800", "'lognormal:800' draws client 0 MEDIAN x exp(SIGMA z) = 1 x exp(800 x 1.23) seconds per "
+                      "step, past a float's range; lower SIGMA (or bring MEDIAN nearer 1)"),
+    ("lognormal:1:1e308", "past a float's range"),
+    ("lognormal:5:1e-320", "draws client 9 MEDIAN x exp(SIGMA z) = 9.99989e-321 x exp(5 x -2.14) seconds per step, "
+                           "below a float's range"),
+    ("constant:inf", "its numbers must be finite"), ("constant:nan", "its numbers must be finite"),
+    ("constant:0", "needs S > 0"), ("constant:-1", "needs S > 0"), ("constant:1e-400", "needs S > 0"),
+    ("uniform:0:1e400", "its numbers must be finite"), ("uniform:0:1", "needs 0 < A <= B"),
+    ("lognormal:inf", "its numbers must be finite"), ("lognormal:1:0", "MEDIAN > 0"),
+    ("file:inf.csv", "inf.csv: client 1 has inf seconds per step; each must be finite and > 0"),
+    ("file:nan.csv", "nan.csv: client 1 has nan seconds per step; each must be finite and > 0"),
+    ("file:e400.csv", "e400.csv: client 1 has inf seconds per step; each must be finite and > 0"),
+    ("file:zero.csv", "zero.csv: client 0 has 0.0 seconds per step; each must be finite and > 0"),
+    ("file:negative.csv", "negative.csv: client 0 has -1.0 seconds per step; each must be finite and > 0"),
+    ("file:huge.json", "huge.json: client 0 has inf seconds per step; each must be finite and > 0"),
+]
+
+
+@pytest.mark.parametrize("spec,says", UNUSABLE_SPEEDS, ids=[spec for spec, _ in UNUSABLE_SPEEDS])
+def test_unusable_speeds_are_one_line_exit_2_and_check_says_so(tmp_path, monkeypatch, capsys, spec, says):
+    """Any unusable data.client_speed: one line naming it, exit 2 (ConfigError), nothing written
+    in run.out_dir, and --check refuses it with the same line."""
+    for name, text in SPEED_FILES.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    args = ["run.mode=async", f"data.client_speed={spec}", f"run.out_dir={out}"]
+    assert run_here(args, check=False) == ConfigError.exit_code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("fedddp: error: ") and "data.client_speed: " in err[0], err
+    assert says in err[0], err
+    assert not out.exists()
+    with pytest.raises(ConfigError) as info:
+        check(QUICKSTART, args)
+    assert f"fedddp: error: {info.value}" == err[0]
+    assert main(["--check", QUICKSTART, *args]) == 2 and capsys.readouterr().err.splitlines() == err
 
 
 # -- end to end -------------------------------------------------------------------------------
