@@ -55,8 +55,12 @@ step() {  # step NAME LIMIT COMMAND...: run it if asked for and in time, keep it
     echo "== $name: exit $rc in $((SECONDS - start)) s"
 }
 
-step device 30 python3 -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__, \
-torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')"
+# the device, then the ops a side-by-side step dispatches on it (each a launch) against the plain
+# step's (bench/step_ops.py), in one log: a lease returns at most 8 files
+step device 90 bash -c "python3 -c \"import torch, triton; print(torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')\" \
+    && python3 bench/step_ops.py --device cuda --clients 10 \
+    && python3 bench/step_ops.py --device cuda --clients 100 --cases sgd,adam,batchnorm"
 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_triton_kernels.py \
     tests/test_strategies.py tests/test_spawn_guard.py -k "cuda or guard"
 step gpu_checks 180 python3 bench/gpu_checks.py --device cuda

@@ -1,17 +1,25 @@
 """Ops dispatched per side-by-side step, by kind: fedddp's step (``BatchedTrainer.train_group``)
-against the plain step its math needs, ``vmap(grad(loss))`` plus the optimizer as
-``torch._foreach_*`` over the stacks, on the same model, clients and batches.
+against the plain step its math needs: the batch gathered from the clients' samples by an index,
+``vmap(grad(loss))``, and the optimizer as ``torch._foreach_*`` over the stacks, on the same
+model, clients and batches.
 
 On a GPU each op dispatched is at least one kernel launch, and a step of many small clients is
 bound by launches and host work, not arithmetic: the count is the figure that moves a GPU step,
 and it is the same on CPU (counted there, so it needs no GPU). Counted with ``torch.profiler``:
 top-level ``aten::`` ops (not those an op calls inside itself), views and allocations left out
-(``UNCOUNTED``). fedddp's per-step count is the difference of two runs of the same group, one
+(``UNCOUNTED``). A ``torch._foreach_*`` op counts once, as it launches on a GPU where its tensors
+share shape, dtype and device (on CPU it runs a loop of per-tensor ops inside). fedddp's per-step count is the difference of two runs of the same group, one
 with more steps than the other, over the difference in steps: what is paid once a group (stacks,
-reports) cancels.
+reports) cancels, and what is paid once a client's epoch (its sample permutation, a host-side
+``randperm`` on a GPU run too) is spread over its steps.
 
     python bench/step_ops.py [--clients 10] [--cases sgd,momentum,adam,fedprox,scaffold,dropout,batchnorm]
                              [--device cpu|cuda] [--by-kind]
+
+fedddp's batch index is built once a group, on the host (its clients' permutations come from
+their own CPU generators, ``randperm`` at each client's epoch), and moved to the device once:
+those ops are counted apart (``host``), spread over the steps, and are no kernel launches on a
+GPU but the final copies.
 
 Cases: the seed CNN (1x28x28, 10 classes), batch 10, plain SGD unless named: ``momentum``
 (SGD, momentum 0.9), ``adam``, ``fedprox`` (mu 0.01), ``scaffold``, ``dropout`` (a CNN with
@@ -44,21 +52,28 @@ BATCH = 10
 SAMPLES = 40  # a client's samples: 4 full batches an epoch
 
 
-def counted(fn) -> collections.Counter:
-    """The top-level aten ops ``fn()`` dispatches, by name, less ``UNCOUNTED``."""
+# fedddp's named range around a group's batch index, built once a group on the host (CPU
+# tensors: the clients' own generators), its few results moved to the device once
+HOST_SETUP = "fedddp::group_batches"
+
+
+def counted(fn) -> tuple[collections.Counter, collections.Counter]:
+    """The top-level aten ops ``fn()`` dispatches by name, less ``UNCOUNTED``: those of the
+    steps, and apart those within ``HOST_SETUP``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    ops = collections.Counter()
+    ops, host = collections.Counter(), collections.Counter()
     for event in prof.events():
         if event.name.startswith("aten::") and event.name not in UNCOUNTED:
-            parent = event.cpu_parent
+            parent, in_setup = event.cpu_parent, False
             while parent is not None and not parent.name.startswith("aten::"):
+                in_setup |= parent.name == HOST_SETUP
                 parent = parent.cpu_parent
             if parent is None:
-                ops[event.name] += 1
-    return ops
+                (host if in_setup else ops)[event.name] += 1
+    return ops, host
 
 
 def model_of(case: str, torch):
@@ -128,26 +143,63 @@ def fedddp_step(case: str, clients: int, device, steps: int):
 
 
 def plain_step(case: str, clients: int, device):
-    """One step of the math alone: vmap(grad(loss)) and the optimizer as _foreach ops."""
+    """One step of the math alone: the batch gathered, vmap(grad(loss)), the local rule's
+    direction (FedProx, SCAFFOLD) and the optimizer as _foreach ops; Dropout's masks drawn at
+    once for all clients, BatchNorm's running statistics updated with one _foreach op."""
     import torch
     import torch.nn.functional as F
+    from torch import nn
     from torch.func import functional_call, grad, vmap
 
-    model = models_cnn(torch).to(device)
+    torch.manual_seed(0)
+    if case in ("dropout", "batchnorm"):
+        # _with's layers, with BatchNorm on the batch's statistics alone (their running update below)
+        model = _with("sgd", nn)
+        if case == "batchnorm":
+            model[1] = nn.BatchNorm2d(8, track_running_stats=False)
+    else:
+        model = models_cnn(torch)
+    model = model.to(device)
     names = [n for n, _ in model.named_parameters()]
     params_T = [p.detach().expand((clients,) + p.shape).clone() for p in model.parameters()]
-    x = torch.randn(clients, BATCH, 1, 28, 28, device=device)
-    y = torch.randint(0, 10, (clients, BATCH), device=device)
+    # the clients' samples in one tensor and a batch index: the step gathers its batches, as
+    # any loop over real data does
+    samples_x = torch.randn(clients * SAMPLES, 1, 28, 28, device=device)
+    samples_y = torch.randint(0, 10, (clients * SAMPLES,), device=device)
+    index = torch.randperm(clients * SAMPLES, device=device)[:clients * BATCH].view(clients, BATCH)
+    running_T = [torch.zeros(clients, 8, device=device), torch.ones(clients, 8, device=device)]
+    anchor_T = [p.clone() for p in params_T]
+    correction_T = [torch.full_like(p, 1e-3) for p in params_T]
 
-    def loss(params, xb, yb):
-        return F.cross_entropy(functional_call(model, dict(zip(names, params)), (xb,)), yb)
-    grads = vmap(grad(loss))
+    def loss(params, xb, yb, mask):
+        if case == "batchnorm":  # its batch statistics beside, for the running ones
+            conv_w, conv_b, bn_w, bn_b, *rest = params
+            h = F.conv2d(xb, conv_w, conv_b)
+            var_C, mean_C = torch.var_mean(h.detach(), dim=(0, 2, 3), correction=1)
+            h = F.batch_norm(h, None, None, bn_w, bn_b, True, 0.0, 1e-5)
+            tail = model[2:]  # after the convolution and BatchNorm
+            out = functional_call(tail, dict(zip([n for n, _ in tail.named_parameters()], rest)), (h,))
+            return F.cross_entropy(out, yb), (mean_C, var_C)
+        if case != "dropout":
+            return F.cross_entropy(functional_call(model, dict(zip(names, params)), (xb,)), yb), ()
+        hidden = functional_call(model[:-1], dict(zip(names, params[:-2])), (xb,))
+        out = functional_call(model[-1], dict(zip(("weight", "bias"), params[-2:])), (hidden * mask,))
+        return F.cross_entropy(out, yb), ()
+    grads = vmap(grad(loss, has_aux=True))
     momentum_T = [torch.zeros_like(p) for p in params_T]
     exp_avg_T = [torch.zeros_like(p) for p in params_T]
     exp_avg_sq_T = [torch.zeros_like(p) for p in params_T]
 
     def once():
-        g_T = grads(params_T, x, y)
+        x, y = samples_x[index], samples_y[index]
+        mask = (torch.rand(clients, BATCH, 32, device=device) < 0.5).float() / 0.5 if case == "dropout" else x
+        g_T, stats = grads(params_T, x, y, mask)
+        if case == "batchnorm":  # the running statistics: one update of all of them
+            torch._foreach_lerp_(running_T, list(stats), 0.1)
+        if case == "fedprox":  # its direction g + mu (w - w_global)
+            g_T = torch._foreach_add(g_T, torch._foreach_sub(params_T, anchor_T), alpha=0.01)
+        elif case == "scaffold":  # g + c - c_k
+            g_T = torch._foreach_add(g_T, correction_T)
         if case == "momentum":
             torch._foreach_mul_(momentum_T, 0.9)
             torch._foreach_add_(momentum_T, g_T)
@@ -181,15 +233,17 @@ def measure(case: str, clients: int, device_name: str) -> dict:
     for once in runs.values():
         once()  # warm-up: first calls set up what they cache
     counts = {steps: counted(once) for steps, once in runs.items()}
-    per_step = collections.Counter({name: (counts[long][name] - counts[short][name]) / (long - short)
-                                    for name in counts[long] | counts[short]})
-    per_step = collections.Counter({k: v for k, v in per_step.items() if v})
+
+    def per_step(which: int) -> collections.Counter:
+        more, fewer = counts[long][which], counts[short][which]
+        return collections.Counter({k: (more[k] - fewer[k]) / (long - short) for k in more | fewer
+                                    if more[k] != fewer[k]})
     plain = plain_step(case, clients, device)
     plain()
-    plain_ops = counted(plain)
-    ours, base = sum(per_step.values()), sum(plain_ops.values())
-    return {"case": case, "fedddp": ours, "plain": base, "ratio": ours / base, "fedddp_ops": per_step,
-            "plain_ops": plain_ops}
+    plain_ops = counted(plain)[0]
+    ours, host, base = per_step(0), per_step(1), sum(plain_ops.values())
+    return {"case": case, "fedddp": sum(ours.values()), "host": sum(host.values()), "plain": base,
+            "ratio": sum(ours.values()) / base, "fedddp_ops": ours, "host_ops": host, "plain_ops": plain_ops}
 
 
 def main(argv=None) -> int:
@@ -200,12 +254,15 @@ def main(argv=None) -> int:
     parser.add_argument("--by-kind", action="store_true")
     args = parser.parse_args(argv)
     print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}")
-    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6}")
+    print("fedddp: ops in its steps, a step; host: ops of its batch index built once a group on the host "
+          "(per step); plain: the math alone")
+    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6} {'host':>6}")
     for case in args.cases.split(","):
         row = measure(case, args.clients, args.device)
-        print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f}", flush=True)
+        print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f} {row['host']:>6.1f}",
+              flush=True)
         if args.by_kind:
-            for label, ops in (("fedddp", row["fedddp_ops"]), ("plain", row["plain_ops"])):
+            for label, ops in (("fedddp", row["fedddp_ops"]), ("host", row["host_ops"]), ("plain", row["plain_ops"])):
                 print(f"  {label}: " + ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in ops.most_common()))
     return 0
 

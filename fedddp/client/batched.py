@@ -178,8 +178,10 @@ class _NetAt:
                 .detach() for p_T, b_T in self._frozen]
 
     def mean(self, loss_of):
-        """The client's mean over its own samples (padding has mask 0)."""
-        return (loss_of("none") * self._mask).sum() / self._count
+        """The client's mean over its own samples (padding has mask 0). A call without padding
+        (every mask all ones) leaves the multiply out, the same bits (x * 1 = x), two ops fewer."""
+        losses = loss_of("none")
+        return (losses if self._trainer.batch.full else losses * self._mask).sum() / self._count
 
 
 class _Step:
@@ -279,7 +281,8 @@ class _MaskedBatchNorm(nn.Module):
             # for the running ones beside it
             # in float32, as the masked form computes (its float32 mask promotes a bfloat16 input
             # under train.precision = bf16); vmap's batch_norm refuses mixed dtypes besides
-            x = x.float()
+            if x.dtype != torch.float32:
+                x = x.float()
             if self.training and self.running_mean is not None:
                 var_C, mean_C = torch.var_mean(x.detach(), dims, correction=1)
                 self.batch.names.append(self.name)
@@ -396,6 +399,50 @@ class Compiled:
             print(f"fedddp: run.compile: side-by-side step compiled in {self.seconds:.1f} s (once a run)",
                   file=sys.stderr, flush=True)
         return [g[:L] for g in grads_T], (objective[:L], (loss_L[:L], tuple(t[:L] for t in stats)))
+
+
+class _GroupBatches:
+    """Every step's batches of a group without augmentation, as one gather a step from the
+    group's samples in one tensor. The index and mask of all its steps are built once, with a
+    fixed number of tensor operations whatever the clients and steps, and moved to the device
+    once; a step takes views of them (a per-step build cost milliseconds of host time and a
+    dozen ops a step at 100 clients). Row j of a step is the j-th client still stepping (the
+    order of the stacks); each client's positions are drawn in its own step order from its own
+    ``Schedule``, so its batches hold the samples ``train_client`` draws. Padding takes the
+    group's first sample, which the mask leaves out.
+
+    Legend: M (step, client) pairs in step order, W the widest batch of the group."""
+
+    def __init__(self, group, schedules: list[Schedule], device):
+        self.x = torch.cat([data.x for _, data, *_ in group])
+        self.y = torch.cat([data.y for _, data, *_ in group])
+        offsets_B, positions, clients_M, self.first_S, self.sizes_S = [0], [], [], [], []
+        for _, data, *_ in group[:-1]:
+            offsets_B.append(offsets_B[-1] + len(data))
+        for step in range(max(s.steps for s in schedules)):
+            self.first_S.append(len(clients_M))
+            # the clients train_group still steps: a client leaves after its last step
+            live = [b for b, s in enumerate(schedules) if s.steps > step or s.steps == 0]
+            positions += [schedules[b].positions(step) for b in live]
+            clients_M += live
+            self.sizes_S.append([len(p) for p in positions[-len(live):]])
+        self.first_S.append(len(clients_M))
+        sizes_M = torch.tensor([len(p) for p in positions])
+        width = int(sizes_M.max())
+        pairs_N = torch.repeat_interleave(torch.arange(len(sizes_M)), sizes_M)  # each sample's pair
+        cols_N = torch.arange(len(pairs_N)) - (torch.cumsum(sizes_M, 0) - sizes_M)[pairs_N]
+        index_MW = torch.zeros(len(sizes_M), width, dtype=torch.long)
+        index_MW[pairs_N, cols_N] = torch.cat(positions) + torch.tensor(offsets_B)[torch.tensor(clients_M)][pairs_N]
+        mask_MW = (torch.arange(width) < sizes_M[:, None]).float()
+        self.index_MW, self.mask_MW = index_MW.to(device), mask_MW.to(device)
+        self.count_M = sizes_M.float().to(device)  # mask_MW's row sums, exact integers
+
+    def step(self, step: int):
+        """The step's x [L, S, ...], y [L, S], mask [L, S], count [L] and the batch sizes, for the
+        L clients still stepping, S their widest batch."""
+        rows, sizes = slice(self.first_S[step], self.first_S[step + 1]), self.sizes_S[step]
+        index = self.index_MW[rows, :max(sizes)]
+        return self.x[index], self.y[index], self.mask_MW[rows, :max(sizes)], self.count_M[rows], sizes
 
 
 class BatchedTrainer:
@@ -648,6 +695,23 @@ class BatchedTrainer:
         momentum (None: 1 / num_batches_tracked, the cumulative average), the variance unbiased."""
         index = self.buffer_index
         new_T = list(buffers_T)
+        momenta = {self.batch_norms[name].momentum for name in self.stat_names}
+        if len(momenta) == 1 and None not in momenta and len(set(self.stat_names)) == len(self.stat_names):
+            # every layer's momentum the same number (torch's default 0.1), each layer run once:
+            # the update of all the layers as three torch._foreach_* ops, the loop's arithmetic
+            factor = momenta.pop()
+            counts = [index[n + ".num_batches_tracked"] for n in self.stat_names
+                      if n + ".num_batches_tracked" in index]
+            for i, t in zip(counts, torch._foreach_add([new_T[i] for i in counts], 1)):
+                new_T[i] = t
+            slots = [index[n + key] for n in self.stat_names for key in (".running_mean", ".running_var")]
+            # batch * m and running * (1 - m) in one op, then their sums
+            scaled = torch._foreach_mul(list(stats) + [new_T[i] for i in slots],
+                                        [factor] * len(slots) + [1 - factor] * len(slots))
+            updated = torch._foreach_add(scaled[:len(slots)], scaled[len(slots):])
+            for i, t in zip(slots, updated):
+                new_T[i] = t
+            return new_T
         for name, mean_LC, var_LC in zip(self.stat_names, stats[0::2], stats[1::2]):
             momentum = self.batch_norms[name].momentum
             i_mean, i_var = index[name + ".running_mean"], index[name + ".running_var"]
@@ -722,18 +786,18 @@ class BatchedTrainer:
         schedules = [Schedule(data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
                      for ctx, data, seed, work, out in group]
         steps_B = [s.steps for s in schedules]
-        # the group's samples in one tensor, for one gather a step (augmentation draws per client)
-        group_x = group_y = None
-        if not cfg.data.augment:
-            group_x = torch.cat([data.x for _, data, *_ in group])
-            group_y = torch.cat([data.y for _, data, *_ in group])
-        offsets_B = [0]
-        for _, data, *_ in group[:-1]:
-            offsets_B.append(offsets_B[-1] + len(data))
+        # without augmentation every step's batches are one gather from the group's samples, by
+        # an index built once for the group (augmentation draws per client and step)
+        # (named for the profiler: bench/step_ops.py counts its host-side work apart from the steps')
+        with torch.profiler.record_function("fedddp::group_batches"):
+            indexed = None if cfg.data.augment else _GroupBatches(group, schedules, device)
 
         stacks, shared = self._begin(group, global_P, B, device)
         self.shared, self.hp = shared, ctx0.hp
         optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
+        # each client's loss summed over its steps in float64 (train_client's sum), a row of the
+        # stacks so it leaves with the client: one add a step
+        stacks["loss_sum"] = [torch.zeros(B, dtype=torch.float64, device=device)]
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
         live, replaced = list(range(B)), set()
@@ -742,8 +806,13 @@ class BatchedTrainer:
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
                     optimizer.epoch_start(b, [p[j] for p in stacks["params"]])
-            x, y, mask, count, drops, lr_L, sizes = self._batches([schedules[b] for b in live], step, device,
-                                                                  group_x, group_y, [offsets_B[b] for b in live])
+            live_schedules = [schedules[b] for b in live]
+            if indexed is not None:
+                x, y, mask, count, sizes = indexed.step(step)
+            else:
+                x, y, mask, count, sizes = self._augmented_batches(live_schedules, step, device)
+            drops = self._dropout_masks([(s.seed, step) for s in live_schedules], sizes, x.shape[1], device)
+            lr_L = [s.lr(step) for s in live_schedules]
             self.parts, self.full = self._width_parts(sizes, device), len(set(sizes)) == 1
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
@@ -751,7 +820,7 @@ class BatchedTrainer:
                 grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
                 step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
                 direction_T = list(rule.direction(step_view))
-            loss_sum_B[live] += loss_L.detach().double()
+            stacks["loss_sum"][0].add_(loss_L.detach())  # in float64, as .double() then add
             replaced |= step_view.keep(stacks, shared)
             if stats:  # the step's one update of the running statistics (extra passes leave them)
                 stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)
@@ -761,6 +830,9 @@ class BatchedTrainer:
                     group[live[j]][4]["last_grad_P"].copy_(last_P)
             optimizer.step(stacks, direction_T, lr_L, step + 1, live)
             if done:
+                rows = torch.tensor(done, device=device)
+                loss_sum_B.index_copy_(0, torch.tensor([live[j] for j in done], device=device),
+                                       stacks["loss_sum"][0].index_select(0, rows))
                 stacks, live = self._leave(group, stacks, live, done, replaced)
 
         # -- the rest of each report, as train_client writes it --------------------------------
@@ -788,39 +860,19 @@ class BatchedTrainer:
         stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}
         return stacks, [live[j] for j in keep]
 
-    def _batches(self, schedules: list[Schedule], step: int, device, group_x, group_y, offsets: list[int]):
-        """This step's batches of the L clients, padded to the largest: x [L, S, ...], y [L, S],
-        mask [L, S] (1 on a client's own samples), count [L] (its batch size), the dropout masks
-        (``_dropout_masks``), the rates, and the batch sizes.
-        Without augmentation one gather from the group's samples (``group_x``, client j's from
-        row ``offsets[j]``), so the number of kernels does not grow with L; padding takes the
-        group's first sample, which the mask leaves out."""
-        if group_x is None:
-            batches = [s.batch(step) for s in schedules]
-            width = max(len(y) for _, y in batches)
-            x0, y0 = batches[0]
-            x = torch.zeros((len(batches), width) + tuple(x0.shape[1:]), dtype=x0.dtype, device=device)
-            y = torch.zeros((len(batches), width), dtype=y0.dtype, device=device)
-            mask = torch.zeros(len(batches), width, device=device)
-            for j, (xj, yj) in enumerate(batches):
-                x[j, :len(yj)], y[j, :len(yj)], mask[j, :len(yj)] = xj, yj, 1.0
-            sizes = [len(yj) for _, yj in batches]
-        else:
-            # a fixed number of tensor operations whatever L (a loop over the clients cost
-            # milliseconds of host time a step at L = 100)
-            positions = [s.positions(step) for s in schedules]
-            sizes = [len(p) for p in positions]
-            width, sizes_L = max(sizes), torch.tensor(sizes)
-            rows_N = torch.repeat_interleave(torch.arange(len(sizes)), sizes_L)
-            starts_L = torch.cumsum(sizes_L, 0) - sizes_L
-            cols_N = torch.arange(len(rows_N)) - starts_L[rows_N]
-            index = torch.zeros(len(sizes), width, dtype=torch.long)
-            index[rows_N, cols_N] = torch.cat(positions) + torch.tensor(offsets)[rows_N]
-            mask = (torch.arange(width) < sizes_L[:, None]).float()
-            index, mask = index.to(device), mask.to(device)
-            x, y = group_x[index], group_y[index]
-        drops = self._dropout_masks([(s.seed, step) for s in schedules], sizes, width, device)
-        return x, y, mask, mask.sum(1), drops, [s.lr(step) for s in schedules], sizes
+    def _augmented_batches(self, schedules: list[Schedule], step: int, device):
+        """This step's augmented batches of the L clients (each ``Schedule.batch``: augmentation
+        draws per client), padded to the largest: x [L, S, ...], y [L, S], mask [L, S] (1 on a
+        client's own samples), count [L] (its batch size), and the batch sizes."""
+        batches = [s.batch(step) for s in schedules]
+        width = max(len(y) for _, y in batches)
+        x0, y0 = batches[0]
+        x = torch.zeros((len(batches), width) + tuple(x0.shape[1:]), dtype=x0.dtype, device=device)
+        y = torch.zeros((len(batches), width), dtype=y0.dtype, device=device)
+        mask = torch.zeros(len(batches), width, device=device)
+        for j, (xj, yj) in enumerate(batches):
+            x[j, :len(yj)], y[j, :len(yj)], mask[j, :len(yj)] = xj, yj, 1.0
+        return x, y, mask, mask.sum(1), [len(yj) for _, yj in batches]
 
     def _dropout_masks(self, keys: list[tuple[int, int]], sizes: list[int], width: int, device) -> dict:
         """The step's dropout masks by layer index, [L, S, ...] each: client j's first

@@ -99,46 +99,68 @@ class StackedOptimizer:
                 stacks["momentum"] = momentum_T
 
 
-def _lr_factor(lr_L: list[float], like: torch.Tensor):
-    """The clients' learning rates: a float when they share one (the common case), else [L]."""
-    if all(lr == lr_L[0] for lr in lr_L):
-        return lr_L[0]
-    return _per_client(torch.tensor(lr_L, device=like.device), like)
+def _shared_lr(lr_L: list[float]) -> float | None:
+    """The clients' one learning rate (the common case), or None when they differ."""
+    return lr_L[0] if all(lr == lr_L[0] for lr in lr_L) else None
+
+
+def _lr_views(lr_L: list[float], like_T: list[torch.Tensor], divisor: float = 1.0) -> list[torch.Tensor]:
+    """The clients' rates (over ``divisor``) as one float32 tensor [L], viewed to broadcast over
+    each stacked tensor of ``like_T``: one tensor a step, not one per parameter tensor."""
+    lr_L_t = torch.tensor(lr_L, device=like_T[0].device)
+    if divisor != 1.0:
+        lr_L_t = lr_L_t / divisor
+    return [_per_client(lr_L_t, t) for t in like_T]
+
+
+def _descend(params_T, step_T, lr_L: list[float]) -> list[torch.Tensor]:
+    """p - lr * step for every stacked tensor, as ``torch._foreach_*`` ops (one kernel launch a
+    list on a GPU, not one a tensor); each client's own rate where they differ."""
+    lr = _shared_lr(lr_L)
+    if lr is not None:
+        return torch._foreach_add(params_T, step_T, alpha=-lr)
+    return torch._foreach_sub(params_T, torch._foreach_mul(step_T, _lr_views(lr_L, params_T)))
 
 
 def _sgd(params_T, direction_T, momentum_T, tc, lr_L):
-    """torch.optim.SGD's update (dampening 0); the momentum buffer starts as the first direction."""
-    nesterov = tc.nesterov
-    new_T, new_momentum_T = [], []
-    for i, (p, d) in enumerate(zip(params_T, direction_T)):
-        if tc.weight_decay:
-            d = d.add(p, alpha=tc.weight_decay)
-        if tc.momentum:
-            buf = d.clone() if momentum_T is None else momentum_T[i] * tc.momentum + d
-            new_momentum_T.append(buf)
-            d = d.add(buf, alpha=tc.momentum) if nesterov else buf
-        lr = _lr_factor(lr_L, p)
-        new_T.append(p.add(d, alpha=-lr) if isinstance(lr, float) else p - lr * d)
-    return new_T, (new_momentum_T if tc.momentum else None)
+    """torch.optim.SGD's update (dampening 0); the momentum buffer starts as the first direction.
+    Each line one ``torch._foreach_*`` op over the stacked tensors, the same arithmetic as the
+    per-tensor form (mul, then add)."""
+    d_T = list(direction_T)
+    if tc.weight_decay:
+        d_T = torch._foreach_add(d_T, params_T, alpha=tc.weight_decay)
+    new_momentum_T = None
+    if tc.momentum:
+        if momentum_T is None:
+            new_momentum_T = d_T  # never written in place: each step's buffers are new tensors
+        else:
+            new_momentum_T = torch._foreach_mul(momentum_T, tc.momentum)
+            torch._foreach_add_(new_momentum_T, d_T)
+        d_T = torch._foreach_add(d_T, new_momentum_T, alpha=tc.momentum) if tc.nesterov else new_momentum_T
+    return _descend(params_T, d_T, lr_L), new_momentum_T
 
 
 def _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T, tc, lr_L, t: int):
-    """torch.optim.Adam's update (no amsgrad), step count t shared by the clients stepping."""
+    """torch.optim.Adam's update (no amsgrad), step count t shared by the clients stepping, as
+    ``torch._foreach_*`` ops over the stacked tensors."""
     beta1, beta2 = ADAM_BETAS
     bias_correction1, bias_correction2_sqrt = 1 - beta1 ** t, math.sqrt(1 - beta2 ** t)
-    new_T, new_avg_T, new_sq_T = [], [], []
-    for p, g, avg, sq in zip(params_T, direction_T, exp_avg_T, exp_avg_sq_T):
-        if tc.weight_decay:
-            g = g.add(p, alpha=tc.weight_decay)
-        avg = avg.lerp(g, 1 - beta1)
-        sq = sq.mul(beta2).addcmul(g, g, value=1 - beta2)
-        denom = (sq.sqrt() / bias_correction2_sqrt).add(ADAM_EPS)
-        lr = _lr_factor(lr_L, p)
-        new_T.append(p.addcdiv(avg, denom, value=-lr / bias_correction1) if isinstance(lr, float)
-                     else p - (lr / bias_correction1) * avg / denom)
-        new_avg_T.append(avg)
-        new_sq_T.append(sq)
-    return new_T, new_avg_T, new_sq_T
+    g_T = list(direction_T)
+    if tc.weight_decay:
+        g_T = torch._foreach_add(g_T, params_T, alpha=tc.weight_decay)
+    avg_T = torch._foreach_lerp(exp_avg_T, g_T, 1 - beta1)
+    sq_T = torch._foreach_mul(exp_avg_sq_T, beta2)
+    torch._foreach_addcmul_(sq_T, g_T, g_T, value=1 - beta2)
+    denom_T = torch._foreach_sqrt(sq_T)
+    torch._foreach_div_(denom_T, bias_correction2_sqrt)
+    torch._foreach_add_(denom_T, ADAM_EPS)
+    lr = _shared_lr(lr_L)
+    if lr is not None:
+        new_T = torch._foreach_addcdiv(params_T, avg_T, denom_T, value=-lr / bias_correction1)
+    else:  # p - (lr / bias_correction1) * avg / denom, each client's own lr
+        step_T = torch._foreach_mul(avg_T, _lr_views(lr_L, params_T, bias_correction1))
+        new_T = torch._foreach_sub(params_T, torch._foreach_div(step_T, denom_T))
+    return new_T, avg_T, sq_T
 
 
 def _rmsgd(params_T, direction_T, momentum_T, tc, rates_TL):
@@ -175,9 +197,9 @@ def _adamp(params_T, direction_T, exp_avg_T, exp_avg_sq_T, weight_decay: float, 
             if projected_L is not None:
                 ratio_f64_L.masked_fill_(projected_L, ADAMP_WD_RATIO)
             p = p * _per_client((1 - lr_f64_L * weight_decay * ratio_f64_L).float(), p)
-        lr = _lr_factor(lr_L, p)
-        new_T.append(p.add(perturb, alpha=-lr / bias_correction1) if isinstance(lr, float)
-                     else p - (lr / bias_correction1) * perturb)
+        lr = _shared_lr(lr_L)
+        new_T.append(p.add(perturb, alpha=-lr / bias_correction1) if lr is not None
+                     else p - _lr_views(lr_L, [p], bias_correction1)[0] * perturb)
         new_avg_T.append(avg)
         new_sq_T.append(sq)
     return new_T, new_avg_T, new_sq_T

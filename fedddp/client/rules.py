@@ -331,7 +331,10 @@ class Prox(LocalRule):
 
     def direction(self, step):
         mu = step.hp.params["prox_mu"]
-        return [torch.add(g, w - a, alpha=mu) for g, w, a in zip(step.grads, step.params, step.scratch["anchor"])]
+        # one torch._foreach_* op a line over the tensors (one launch a list on a GPU), the same
+        # arithmetic as a loop of torch.add(g, w - a, alpha=mu)
+        return torch._foreach_add(list(step.grads), torch._foreach_sub(list(step.params), list(step.scratch["anchor"])),
+                                  alpha=mu)
 
 
 class ControlVariates:
@@ -357,7 +360,7 @@ class ControlVariates:
 
     def direction(self, step):
         # the rule this mixes into (next in the MRO) gives the direction; c - c_k is added to it
-        return [d + c for d, c in zip(super().direction(step), step.scratch["correction"])]
+        return torch._foreach_add(list(super().direction(step)), list(step.scratch["correction"]))
 
     def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
         c_P, c_k_P = ctx.scratch["c_P"], ctx.scratch["c_k_P"]
@@ -477,7 +480,7 @@ class Gam(Sam):
     def direction(self, step):
         rho, alpha = step.hp.params["gam_rho"], step.hp.params["gam_alpha"]
         adv = step.grads_at(ascent(step, step.grads, rho, self.eps))
-        return [torch.add(g, a, alpha=alpha * rho) for g, a in zip(step.grads, adv)]
+        return torch._foreach_add(list(step.grads), list(adv), alpha=alpha * rho)
 
 
 class GamCV(ControlVariates, Gam):

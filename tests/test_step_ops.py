@@ -1,0 +1,70 @@
+"""A side-by-side step dispatches the ops its math needs, and no more than 1.25x those of the
+plain step (the batch gathered, ``vmap(grad(loss))``, the rule's direction and the optimizer as
+``torch._foreach_*`` ops): counted with torch.profiler on CPU (bench/step_ops.py), where each op
+is what would be a kernel launch on a GPU. A count, never a time. And no step reads a tensor's
+value on the host (``.item()``, ``float()``, ``bool()``, ``.tolist()``, ``nonzero``): on a GPU each
+such read waits for the device."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import step_ops  # noqa: E402
+
+# The cases that meet the goal. Dropout does not: each client's masks come from its own seeded
+# generator (models/dropout.py), drawn per client outside vmap, 5 ops a client and layer.
+MET = [case for case in step_ops.CASES if case != "dropout"]
+
+
+@pytest.mark.parametrize("case", MET)
+def test_a_step_dispatches_at_most_a_quarter_more_ops_than_its_math(case):
+    row = step_ops.measure(case, 10, "cpu")
+    assert row["fedddp"] <= 1.25 * row["plain"], (row["fedddp_ops"], row["plain_ops"])
+    # the group's batch index is built once on the host: no op of it runs in a step
+    assert not {"aten::randperm", "aten::repeat_interleave", "aten::cumsum"} & set(row["fedddp_ops"])
+
+
+def test_dropouts_extra_ops_are_its_masks_alone():
+    """Dropout's excess over the goal, pinned: its per-client masks (rand, lt, div_, copy_ and a
+    move, one each a client and layer) and nothing else grows with the clients."""
+    rows = {k: step_ops.measure("dropout", k, "cpu") for k in (4, 8)}
+    grown = {name: rows[8]["fedddp_ops"][name] - rows[4]["fedddp_ops"][name] for name in rows[8]["fedddp_ops"]}
+    assert {name for name, more in grown.items() if more} == {"aten::rand", "aten::lt", "aten::div_",
+                                                              "aten::copy_", "aten::to"}
+    assert all(more == 4 for more in grown.values() if more)
+
+
+# Tensor calls that copy a value to the host (a device sync on a GPU)
+HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+              torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero,
+              torch.Tensor.numpy}
+
+
+class _HostReads(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in HOST_READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["sgd", "adam", "fedprox", "scaffold", "batchnorm"])
+def test_no_step_reads_a_value_on_the_host(case):
+    """The host reads of a group do not grow with its steps (those of its reports, after the
+    last step, do not count)."""
+    reads = {}
+    for steps in (2, 6):
+        once = step_ops.fedddp_step(case, 4, torch.device("cpu"), steps)
+        once()
+        with _HostReads() as mode:
+            once()
+        reads[steps] = mode.count
+    assert reads[6] == reads[2], reads
