@@ -68,3 +68,19 @@ def test_no_step_reads_a_value_on_the_host(case):
             once()
         reads[steps] = mode.count
     assert reads[6] == reads[2], reads
+
+
+@pytest.mark.e2e
+def test_a_rounds_host_reads_do_not_grow_with_its_clients(tmp_path):
+    """A round side by side reads values on the host a fixed number of times (its losses and
+    checks once), not once a client: two rounds of 10 and of 30 clients, each one group."""
+    from fedrun import run_here
+
+    reads = {}
+    for clients in (10, 30):
+        with _HostReads() as mode:
+            run_here([f"run.out_dir={tmp_path / str(clients)}", "run.rounds=2", f"data.num_clients={clients}",
+                      f"run.clients_per_round={clients}", f"run.parallel_clients={clients}", "run.eval_every=100",
+                      "run.ckpt_every=0"])
+        reads[clients] = mode.count
+    assert reads[30] == reads[10], reads

@@ -427,8 +427,8 @@ class _GroupBatches:
             clients_M += live
             self.sizes_S.append([len(p) for p in positions[-len(live):]])
         self.first_S.append(len(clients_M))
-        sizes_M = torch.tensor([len(p) for p in positions])
-        width = int(sizes_M.max())
+        sizes = [len(p) for p in positions]
+        sizes_M, width = torch.tensor(sizes), max(sizes)
         pairs_N = torch.repeat_interleave(torch.arange(len(sizes_M)), sizes_M)  # each sample's pair
         cols_N = torch.arange(len(pairs_N)) - (torch.cumsum(sizes_M, 0) - sizes_M)[pairs_N]
         index_MW = torch.zeros(len(sizes_M), width, dtype=torch.long)
@@ -837,11 +837,11 @@ class BatchedTrainer:
 
         # -- the rest of each report, as train_client writes it --------------------------------
         seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
+        loss_sums = loss_sum_B.tolist()  # read from the device once a group, not once a client
         for b, (ctx, data, seed, work, out) in enumerate(group):
             steps = steps_B[b]
             self.layout.unflatten_into(out["params_P"], self.model)  # the client's trained model
-            finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), float(loss_sum_B[b]),
-                          out)
+            finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), loss_sums[b], out)
             out["train_time"] = seconds
 
     def _leave(self, group, stacks: dict, live: list[int], done: list[int], replaced: set[str]):
