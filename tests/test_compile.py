@@ -6,6 +6,8 @@ B = 1; a compiler failure is one line and the eager step."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -81,3 +83,24 @@ def test_a_compiler_failure_is_one_line_and_the_eager_step(tmp_path, capsys, mon
     assert err.count("run.compile: torch.compile failed (RuntimeError: no backend for this model") == 1, err
     assert "Traceback" not in err
     assert torch.equal(P, eager_P)
+
+
+@pytest.mark.slow
+@pytest.mark.processes  # inductor runs the C++ compiler
+@pytest.mark.e2e
+def test_a_later_run_loads_the_compiled_step_from_the_cache(tmp_path, capsys, monkeypatch):
+    """The compiled graphs are kept in FEDDDP_CACHE (not inductor's /tmp): a later run of the
+    same step (here after torch._dynamo.reset(), as a new process starts) loads them from disk
+    instead of compiling, and says so in its line."""
+    monkeypatch.setenv("FEDDDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    first = final_P(tmp_path / "first", [], True)
+    assert os.listdir(tmp_path / "cache" / "inductor")
+    torch._dynamo.reset()  # forget what this process compiled: only the disk is left
+    hits = batched.compile_cache_hits()
+    second = final_P(tmp_path / "second", [], True)
+    assert batched.compile_cache_hits() > hits
+    assert torch.equal(first, second)
+    err = capsys.readouterr().err
+    assert "kept in" in err and "graph(s) loaded from" in err

@@ -67,6 +67,7 @@ size (``fedddp.sampling.assign_groups``).
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 
@@ -81,6 +82,7 @@ from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..models import dropout
 from ..registry import LOCAL_RULES, resolve
+from ..strategies.kernels import cache_dir as kernels_cache_dir
 from . import precision, rules
 from . import ClientContext, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
@@ -362,6 +364,14 @@ def _pad(t: torch.Tensor, rows: int, width: int | None = None, fill_first: bool 
     return t
 
 
+def compile_cache_hits() -> int:
+    """Compiled graphs this process has loaded from torch.compile's disk caches (inductor's FX
+    graphs, AOTAutograd's forward and backward)."""
+    from torch._dynamo.utils import counters  # here: importing dynamo costs a run without compile time
+
+    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+
+
 class Compiled:
     """run.compile: ``torch.compile`` of the side-by-side gradient function, called with every
     per-client tensor padded to B clients (copies of the first; mask 0, count 1) and the batch to
@@ -371,6 +381,10 @@ class Compiled:
     said in one line (``note``), never a traceback."""
 
     def __init__(self, fn, cfg):
+        # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not
+        # in inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another
+        # node with the same home folder loads them instead of compiling again
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels_cache_dir(), "inductor"))
         self.fn, self.rows, self.width = torch.compile(fn, dynamic=False), int(cfg.run.parallel_clients), \
             cfg.train.batch_size if cfg.train.batch_size > 0 else None
         self.seconds, self.note, self.failed = None, "", False
@@ -385,7 +399,10 @@ class Compiled:
                 _pad(mask, rows, width), torch.cat([count, count.new_ones(rows - L)]),
                 {k: _pad(v, rows, width) for k, v in drops.items()},
                 {k: per_client(v) for k, v in inputs.items()})
-        start = time.perf_counter()
+        if self.seconds is None and x.device.type == "cpu":  # said before the silence, not after it
+            print("fedddp: run.compile: compiling the side-by-side step; on CPU that can take minutes (seconds "
+                  "from the cache of an earlier run) and rarely pays (BENCHMARKS.md)", file=sys.stderr, flush=True)
+        start, hits = time.perf_counter(), compile_cache_hits()
         try:
             grads_T, (objective, (loss_L, stats)) = self.fn(*args)
         except Exception as exc:  # noqa: BLE001 - any failure of the compiler: the eager step is the reference
@@ -396,7 +413,10 @@ class Compiled:
             return None
         if self.seconds is None:
             self.seconds = time.perf_counter() - start
-            print(f"fedddp: run.compile: side-by-side step compiled in {self.seconds:.1f} s (once a run)",
+            self.cache_hits = compile_cache_hits() - hits
+            cached = (f", {self.cache_hits} graph(s) loaded from {os.environ['TORCHINDUCTOR_CACHE_DIR']}"
+                      if self.cache_hits else f"; kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']} for later runs")
+            print(f"fedddp: run.compile: side-by-side step compiled in {self.seconds:.1f} s (once a run{cached})",
                   file=sys.stderr, flush=True)
         return [g[:L] for g in grads_T], (objective[:L], (loss_L[:L], tuple(t[:L] for t in stats)))
 
