@@ -101,9 +101,8 @@ class RunConfig:
                                               "clients a rank trains a round; on resume the checkpoint's B; the "
                                               "start line says which. On CPU side by side pays only for small "
                                               "models (a few thousand parameters) whose clients take similar "
-                                              "numbers of steps: with uneven clients it loses (a 1,146-parameter "
-                                              "MLP on the quickstart's clients at B = 8: 2.6x slower), and the "
-                                              "CNN and ResNet-18 lose at any B. With B > 1 on CPU the start line "
+                                              "numbers of steps; with uneven clients, and for the CNN and "
+                                              "ResNet-18, it loses (BENCHMARKS.md). With B > 1 on CPU the start line "
                                               "gives a quick measurement's prediction and warns when one after "
                                               "another is faster (docs/running.md).")
     mode: str = opt("sync", "sync: rounds of the sampled K clients, the server waiting for all of them. async: "

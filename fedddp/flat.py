@@ -45,11 +45,6 @@ class FlatLayout:
 
     # -- per-element indices for per-layer rules --------------------------------------------
 
-    def tensor_index_P(self) -> torch.Tensor:
-        """int64 [P]: which tensor of the layout each element belongs to."""
-        sizes = torch.tensor([e.numel for e in self.entries])
-        return torch.repeat_interleave(torch.arange(len(self.entries)), sizes)
-
     def conv_group_P(self) -> torch.Tensor:
         """int64 [P]: the conv layer (0..L-1) each element follows: a conv kernel is its own layer,
         any other tensor follows the last conv kernel before it in parameter order; -1 before the

@@ -1,4 +1,4 @@
-"""The round loop, top to bottom.
+"""The round loop: setup, then synchronous rounds (``_run``) or FedBuff updates (``_run_async``).
 
 Legend: K sampled clients, P flat elements, M report rows per rank, F floats per report row.
 

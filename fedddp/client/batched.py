@@ -5,7 +5,8 @@ Legend: B clients of a group, S padded samples of a step (the group's largest ba
 elements, T parameter tensors.
 
 Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` over the stacked
-parameters, no compilation. It keeps ``train_client``'s semantics client by client (that path,
+parameters (``Compiled``: through torch.compile under run.compile), then the rule's direction and
+the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_client``'s semantics client by client (that path,
 ``B = 1``, stays the reference):
 
 - batches: each client's ``Schedule``, the one ``train_client`` draws from (its own generator

@@ -18,8 +18,6 @@ import contextlib
 
 import torch
 
-PRECISIONS = ("fp32", "tf32", "bf16")
-
 
 @contextlib.contextmanager
 def _tf32():

@@ -37,7 +37,6 @@ from .clients import ClientData, FederatedData
 from ..errors import ConfigError, DataError
 
 FOLDER = "CMAPSS"
-SUBSETS = ("FD001", "FD002", "FD003", "FD004")
 NUM_COLUMNS = 26  # unit, cycle, 3 settings, 21 sensors
 SENSORS = (2, 3, 4, 7, 8, 9, 11, 12, 13, 14, 15, 17, 20, 21)
 SENSOR_COLUMNS = [4 + s for s in SENSORS]  # sensor s1 is column 5 (0-based)
