@@ -62,7 +62,7 @@ torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory /
     && python3 bench/step_ops.py --device cuda --clients 10 \
     && python3 bench/step_ops.py --device cuda --clients 100 --cases sgd,adam,batchnorm"
 step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_triton_kernels.py \
-    tests/test_strategies.py tests/test_spawn_guard.py -k "cuda or guard"
+    tests/test_strategies.py tests/test_spawn_guard.py tests/test_shared_gpu.py -k "cuda or guard"
 step gpu_checks 180 python3 bench/gpu_checks.py --device cuda
 step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
 step aggregation_scale 120 python3 bench/aggregation_scale.py --device cuda --ranks 1 --clients 8 32 64

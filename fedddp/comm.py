@@ -37,16 +37,26 @@ class Comm:
         self.env = env
         self.rank = env.rank
         self.world_size = env.world_size
+        # More ranks on a node than GPUs (the thesis's 4 ranks on a 1-GPU workstation): they share
+        # the GPUs round-robin over gloo, since NCCL refuses two ranks on one GPU
+        self.gpus_shared = 0
         if device == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if env.local_rank >= count:
-                raise ConfigError(f"run.device: cuda, but local rank {env.local_rank} sees {count} GPU(s); "
-                                  "start one rank per GPU, or set run.device=cpu")
-            torch.cuda.set_device(env.local_rank)
-            self.device = torch.device("cuda", env.local_rank)
+            if count == 0:
+                raise ConfigError(f"run.device: cuda, but local rank {env.local_rank} sees 0 GPU(s); "
+                                  "set run.device=cpu")
+            if env.local_world_size > count:
+                self.gpus_shared = count
+            torch.cuda.set_device(env.local_rank % count)
+            self.device = torch.device("cuda", env.local_rank % count)
         else:
             self.device = torch.device("cpu")
-        self.backend = "nccl" if device == "cuda" else "gloo"
+        self.backend = "nccl" if device == "cuda" and not self.gpus_shared else "gloo"
+        # gloo takes CUDA tensors for broadcast and all_reduce only: its other collectives move
+        # through host memory (FEDDDP_HOST_STAGING=1 does the same on CPU, the path's CPU twin)
+        self.staged = (self.backend == "gloo" and self.device.type == "cuda") or \
+            os.environ.get("FEDDDP_HOST_STAGING") == "1"
+        self.link = torch.device("cpu") if self.backend == "gloo" else self.device  # where point to point moves
         self.distributed = env.source != "single"
         # A group the caller initialised (a script under torchrun calling fedddp.run) is used
         # and left open; only a group made here is destroyed by close().
@@ -65,7 +75,7 @@ class Comm:
                 dist.init_process_group(
                     self.backend, store=dist.PrefixStore(f"fedddp/{Comm.groups_made}", store),
                     rank=env.rank, world_size=env.world_size,
-                    device_id=self.device if device == "cuda" else None, timeout=timeout)
+                    device_id=self.device if self.backend == "nccl" else None, timeout=timeout)
             except RuntimeError as exc:
                 if "timed out" not in str(exc).lower():
                     raise
@@ -92,15 +102,30 @@ class Comm:
         loopback with 2 ranks and the CNN's reports, 40 ms against 20 ms)."""
         if not self.distributed or self.world_size == 1:  # one rank (e.g. torchrun --nproc_per_node=1)
             return rows_MX
-        rows_MX = rows_MX.contiguous()
+        rows_MX = self._staged(rows_MX.contiguous())
         size = rows_MX.numel() * rows_MX.element_size()
         if self.is_main:
-            dist.gather(rows_MX, list(out_RMX.chunk(self.world_size)), dst=0)
+            landing_RMX = torch.empty(out_RMX.shape, dtype=out_RMX.dtype) if self.staged else out_RMX
+            dist.gather(rows_MX, list(landing_RMX.chunk(self.world_size)), dst=0)
+            if landing_RMX is not out_RMX:
+                out_RMX.copy_(landing_RMX)
             self.traffic["received"] += (self.world_size - 1) * size
             return out_RMX
         dist.gather(rows_MX, None, dst=0)
         self.traffic["sent"] += size
         return None
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` where gloo's gather and point to point take it: a host copy when staged."""
+        return tensor.to("cpu", copy=True) if self.staged else tensor
+
+    def describe(self) -> str:
+        """The start line's words on the ranks' devices."""
+        if not self.gpus_shared:
+            return f"{self.world_size} rank(s) on {self.device.type}"
+        return (f"{self.world_size} rank(s) on {self.device.type}, {self.env.local_world_size} a node sharing "
+                f"{self.gpus_shared} GPU(s) round-robin over gloo (NCCL takes one rank a GPU; gathers and "
+                "point to point move through host memory)")
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if self.distributed:
@@ -122,10 +147,14 @@ class Comm:
         straight from the rank that has it to the rank that needs it, without packing copies."""
         if not self.distributed or not (sends or recvs):
             return
-        ops = ([dist.P2POp(dist.isend, t, peer) for peer, t in sends]
-               + [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs])
+        landings = [torch.empty(t.shape, dtype=t.dtype) if self.staged else t for _, t in recvs]
+        ops = ([dist.P2POp(dist.isend, self._staged(t), peer) for peer, t in sends]
+               + [dist.P2POp(dist.irecv, t, peer) for (peer, _), t in zip(recvs, landings)])
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+        for (_, t), landing in zip(recvs, landings):
+            if landing is not t:
+                t.copy_(landing)
         self.traffic["sent"] += sum(t.numel() * t.element_size() for _, t in sends)
         self.traffic["received"] += sum(t.numel() * t.element_size() for _, t in recvs)
 
@@ -147,18 +176,19 @@ class Comm:
         names, shapes and dtypes as one small object, then each tensor from ``comm.device``. An
         empty dict sends only the empty list, so the receiver need not know whether there is any."""
         meta = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-        dist.send_object_list([meta], dst=dst, device=self.device)
+        dist.send_object_list([meta], dst=dst, device=self.link)
         for t in tensors.values():
-            dist.send(t.to(self.device).contiguous(), dst)
+            dist.send(t.to(self.link).contiguous(), dst)
 
     def recv_tensors(self, src: int) -> dict[str, torch.Tensor]:
         """What rank ``src`` sent with ``send_tensors``, on ``comm.device``."""
         box = [None]
-        dist.recv_object_list(box, src=src, device=self.device)
+        dist.recv_object_list(box, src=src, device=self.link)
         received = {}
         for name, shape, dtype in box[0]:
-            received[name] = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(received[name], src)
+            landing = torch.empty(shape, dtype=dtype, device=self.link)
+            dist.recv(landing, src)
+            received[name] = landing.to(self.device)
         return received
 
     def barrier(self) -> None:

@@ -30,6 +30,7 @@ class ProcessEnv:
     master_addr: str
     master_port: int
     source: str  # "torchrun", "slurm" or "single"
+    local_world_size: int = 1  # ranks on this node (run.device = cuda: more than its GPUs share them)
 
     @property
     def is_main(self) -> bool:
@@ -62,6 +63,13 @@ def first_host(nodelist: str) -> str:
     return prefix + ranges.split("-")[0]
 
 
+def _local_world(environ, name: str, local_rank: int) -> int:
+    """The ranks on this node from the launcher's variable ``name`` where it is one number (Slurm
+    writes "4(x2)" for uneven nodes), else at least this rank's local rank + 1."""
+    value = environ.get(name, "")
+    return max(int(value) if value.isdigit() else 0, local_rank + 1)
+
+
 def resolve(environ=None) -> ProcessEnv:
     environ = os.environ if environ is None else environ
     have_torchrun = [n for n in TORCHRUN_VARS if n in environ]
@@ -73,7 +81,7 @@ def resolve(environ=None) -> ProcessEnv:
         rank, world, local = _ints(environ, TORCHRUN_VARS)
         addr = environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(environ.get("MASTER_PORT", DEFAULT_PORT))
-        return ProcessEnv(rank, world, local, addr, port, "torchrun")
+        return ProcessEnv(rank, world, local, addr, port, "torchrun", _local_world(environ, "LOCAL_WORLD_SIZE", local))
     have_slurm = [n for n in SLURM_VARS if n in environ]
     # SLURM_NTASKS alone appears inside an sbatch script before srun: that is not a task yet.
     if have_slurm and "SLURM_PROCID" in environ:
@@ -86,7 +94,7 @@ def resolve(environ=None) -> ProcessEnv:
         # A port derived from the job id keeps two jobs sharing a node from colliding.
         default_port = 20000 + int(environ.get("SLURM_JOB_ID", "9500")) % 20000
         port = int(environ.get("MASTER_PORT", default_port))
-        return ProcessEnv(rank, world, local, addr, port, "slurm")
+        return ProcessEnv(rank, world, local, addr, port, "slurm", _local_world(environ, "SLURM_NTASKS_PER_NODE", local))
     return ProcessEnv(0, 1, 0, "127.0.0.1", DEFAULT_PORT, "single")
 
 

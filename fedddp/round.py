@@ -942,7 +942,7 @@ class Book:
         elif rc.aggregation == "sharded":
             form = f"gathered on rank 0 (the server rule {run.strategy.name} has no sharded form); {form}"
         if rc.progress:
-            print(f"fedddp: {comm.world_size} rank(s) on {comm.device.type}; {describe_algorithm(run.cfg)}; "
+            print(f"fedddp: {comm.describe()}; {describe_algorithm(run.cfg)}; "
                   f"{_schedule_words(run.cfg)}; aggregation: {form}; {run.clients_note}", file=sys.stderr, flush=True)
 
     def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
