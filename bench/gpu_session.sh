@@ -61,7 +61,7 @@ step device 90 bash -c "python3 -c \"import torch, triton; print(torch.__version
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')\" \
     && python3 bench/step_ops.py --device cuda --clients 10 \
     && python3 bench/step_ops.py --device cuda --clients 100 --cases sgd,adam,batchnorm"
-step cuda_tests 150 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_triton_kernels.py \
+step cuda_tests 240 python3 -m pytest -q -p no:cacheprovider -o addopts=-ra tests/test_triton_kernels.py \
     tests/test_strategies.py tests/test_spawn_guard.py tests/test_shared_gpu.py -k "cuda or guard"
 step gpu_checks 180 python3 bench/gpu_checks.py --device cuda
 step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c100 --counts 32,64 --no-naive
