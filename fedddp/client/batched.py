@@ -859,9 +859,13 @@ class BatchedTrainer:
         # -- the rest of each report, as train_client writes it --------------------------------
         seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
         loss_sums = loss_sum_B.tolist()  # read from the device once a group, not once a client
+        # the client's trained model into self.model only for what reads it (the rule's end hook,
+        # CGW's full-batch gradient, FedER's ranks): else a copy a tensor and client for nothing
+        reads_model = rules.reads_trained_model(rule) or bool(needs & {"full_grad_KP", "eff_rank_KL"})
         for b, (ctx, data, seed, work, out) in enumerate(group):
             steps = steps_B[b]
-            self.layout.unflatten_into(out["params_P"], self.model)  # the client's trained model
+            if reads_model:
+                self.layout.unflatten_into(out["params_P"], self.model)
             finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), loss_sums[b], out)
             out["train_time"] = seconds
 

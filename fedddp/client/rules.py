@@ -306,6 +306,13 @@ class LocalRule:
         pass
 
 
+def reads_trained_model(rule) -> bool:
+    """Whether a rule's ``end`` hook may read the trained model (MOON keeps it); the base hook
+    reads nothing. (A plugin's hooks are wrapped by fedddp.checks; ``__wrapped__`` is its own.)"""
+    end = getattr(rule.end, "__func__", rule.end)
+    return getattr(end, "__wrapped__", end) is not LocalRule.end
+
+
 def one_client_only(rule) -> bool:
     """Whether a rule (class) overrides ``gradient``, the one-client step: then it trains one after
     another only. (A plugin's hooks are wrapped by fedddp.checks; ``__wrapped__`` is its own.)"""
