@@ -88,9 +88,19 @@ class ReportLayout:
     def pack_scalars(self, row_F: torch.Tensor, report: dict) -> None:
         """The scalars and eff_rank_L into the row: gathered on the host as float32 (the device
         cast's rounding) and written with one host-to-device copy, not one per field."""
-        values = [torch.as_tensor(report[self.keys[stack]]).detach().to("cpu", torch.float32).reshape(-1)
-                  for stack in self.slices if not stack.endswith("_KP")]
-        row_F[self.scalars].copy_(torch.cat(values))
+        row_F[self.scalars].copy_(self._host_scalars(report))
+
+    def pack_group(self, rows_MF: torch.Tensor, rows: list[int], reports: list[dict]) -> None:
+        """``pack_scalars`` for a group of clients (their rows of ``rows_MF``): one host-to-device
+        copy for the group, not one a client (each a wait on a GPU)."""
+        if len(rows) == 1:
+            return self.pack_scalars(rows_MF[rows[0]], reports[0])
+        values_nS = torch.stack([self._host_scalars(report) for report in reports])
+        rows_MF[torch.tensor(rows, device=rows_MF.device), self.scalars] = values_nS.to(rows_MF.device)
+
+    def _host_scalars(self, report: dict) -> torch.Tensor:
+        return torch.cat([torch.as_tensor(report[self.keys[stack]]).detach().to("cpu", torch.float32).reshape(-1)
+                          for stack in self.slices if not stack.endswith("_KP")])
 
     def unpack(self, rows_KF: torch.Tensor) -> dict[str, torch.Tensor]:
         stacks = {}
@@ -761,8 +771,8 @@ def train_clients(run: Setup, comm, plan: RoundPlan, rows_MF: torch.Tensor) -> N
         jobs = [j for j in map(job, group) if j is not None]
         if jobs:
             run.trainer.train(jobs)
-        for j in jobs:
-            report.pack_scalars(rows_MF[j.row], j.out)
+        if jobs:
+            report.pack_group(rows_MF, [j.row for j in jobs], [j.out for j in jobs])
     send_home(comm, run.client_states, moves, visiting)
 
 
