@@ -54,7 +54,9 @@ def _columns(global_P, params_KP, table_KG, runs_R3):
         return kernels.mix(lib, params_KP, weights_RK, bounds_R1)
     new_global_P = torch.empty_like(global_P)
     for r, (start, stop, _) in enumerate(runs_R3.tolist()):  # one host sync: the run bounds
-        torch.mv(params_KP[:, start:stop].T, weights_RK[r], out=new_global_P[start:stop])
+        # w @ rows, as FedAvg's torch form: its column sums do not depend on where a range cuts
+        # the run (torch.mv over the transposed rows did on an AVX-512 CPU)
+        new_global_P[start:stop] = weights_RK[r] @ params_KP[:, start:stop]
     return new_global_P
 
 
