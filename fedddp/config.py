@@ -275,8 +275,9 @@ class AlgorithmConfig:
     server_lr: float = opt(1.0, "Server learning rate eta: w <- w + eta (aggregate - w) for FedAvg's server "
                                 "rule (fedavg, fedprox, moon, fedsam, fedgam) and DP-FedAvg, SCAFFOLD's "
                                 "and FedGAM-CV's eta_g, FedMom's w <- w + eta v, FedNova's step, FedGMA's "
-                                "eta_s; rules without a server step (fedcong, cgw, feder, fedsmoo) and fedadam "
-                                "(its step is algorithm.params.eta) refuse a value other than 1 (docs/algorithms.md).")
+                                "eta_s; rules without a server step (fedcong, cgw, feder, fedsmoo, fedmedian, "
+                                "fedtrimmedavg, krum, bulyan) and fedadam, fedyogi, fedadagrad (their step is "
+                                "algorithm.params.eta) refuse a value other than 1 (docs/algorithms.md).")
 
 
 # The flat keys the built-in rules' hyperparameters had before each rule declared its own

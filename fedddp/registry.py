@@ -36,6 +36,12 @@ BUILT_IN: dict[str, tuple[str, str, str]] = {
     "dpfedavg": ("plain", "dpfedavg", "uniform"),        # McMahan et al. 2018, w_k = 1: one client moves w by <= C / K
     "dpfedmom": ("plain", "dpfedmom", "uniform"),        # DP-FedAvg's mechanism, then FedMom's step (post-processing)
     "fedadam": ("plain", "fedadam", "samples"),          # Reddi et al. 2021, Alg. 2: FedAvg's weighted update
+    "fedyogi": ("plain", "fedyogi", "samples"),          # Reddi et al. 2021, Alg. 2, as FedAdam
+    "fedadagrad": ("plain", "fedadagrad", "samples"),    # Reddi et al. 2021, Alg. 2, as FedAdam
+    "fedmedian": ("plain", "fedmedian", "uniform"),      # Yin et al. 2018: unweighted (weights only train_loss)
+    "fedtrimmedavg": ("plain", "fedtrimmedavg", "uniform"),  # Yin et al. 2018: unweighted
+    "krum": ("plain", "krum", "uniform"),                # Blanchard et al. 2017: Multi-Krum's plain mean
+    "bulyan": ("plain", "bulyan", "uniform"),            # El Mhamdi et al. 2018: unweighted
 }
 
 # name -> (local rule, server rule) and name -> weighting, of the built-ins and the plugins a

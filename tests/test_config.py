@@ -145,7 +145,8 @@ PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples
                    "cgw": "samples", "feder": "uniform", "fedprox": "samples", "scaffold": "uniform",
                    "fednova": "samples", "moon": "samples", "fedsam": "uniform", "fedgam": "uniform",
                    "fedgam_cv": "uniform", "fedsmoo": "uniform", "dpfedavg": "uniform", "dpfedmom": "uniform",
-                   "fedadam": "samples"}
+                   "fedadam": "samples", "fedyogi": "samples", "fedadagrad": "samples", "fedmedian": "uniform",
+                   "fedtrimmedavg": "uniform", "krum": "uniform", "bulyan": "uniform"}
 
 
 def test_every_algorithm_has_a_paper_weighting():

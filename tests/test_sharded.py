@@ -32,15 +32,17 @@ PLUGIN = os.path.join(REPO, "examples", "my_plugin.toml")
 
 K, P, WIDTH, LAYERS = 7, 1000, 64, 3
 RULES = ["fedavg", "fedmom", "fedcong", "fedgma", "cgw", "feder", "scaffold", "fedgam_cv", "fednova", "fedsmoo",
-         "dpfedavg", "dpfedmom", "fedadam"]
+         "dpfedavg", "dpfedmom", "fedadam", "fedyogi", "fedadagrad", "fedmedian", "fedtrimmedavg", "krum", "bulyan"]
 # a rule's own settings on top of _inputs' (DP-FedMom: adaptive clipping from a clip that some of
 # the updates exceed, and the noise cohort)
 RULE_PARAMS = {"dpfedmom": {"dp_clip": 3.16, "dp_adaptive_quantile": 0.5, "dp_adaptive_count_noise": 2.0,
-                            "dp_noise_cohort": 20}}
+                            "dp_noise_cohort": 20},
+               "krum": {"krum_m": 3}}
 # diagnostics whose bits the range form keeps from the gathered one (the others are per-block sums)
 SAME_DIAGNOSTICS = {"cgw_x_K", "cgw_weight_K", "cgw_grad_norm_K", "cgw_c", "cgw_zero_grad_clients", "tau_eff",
                     "control_norm", "dual_norm", "clipped_fraction", "feder_alpha_KL", "cong_positive",
-                    "cong_negative", "mask_density", "unclipped_fraction_noised"}
+                    "cong_negative", "mask_density", "unclipped_fraction_noised", "krum_score_K", "krum_selected_K",
+                    "bulyan_selected_K", "bulyan_f"}
 
 
 # -- blocks -----------------------------------------------------------------------------------------

@@ -200,7 +200,10 @@ def test_fedadam_unmoved_coordinates_stay_and_small_moves_match_the_twin(interpr
 NEUTRAL = {"fedmom": hp_of(server_momentum=0.0), "cgw": hp_of(cgw_alpha=0.0),
            "fedgma": hp_of(gma_threshold=0.0, server_lr=0.0),
            "fedgma_delta_soft": hp_of(gma_threshold=0.0, server_lr=0.0, gma_grad="delta",
-                                      gma_mask="soft")}
+                                      gma_mask="soft"),
+           # the robust rules keep every client: their means are the mean kernel's over the same rows
+           "fedtrimmedavg": hp_of(trim_beta=0.0, weighting="uniform"), "krum": hp_of(krum_m=50),
+           "bulyan": hp_of(byzantine_f=0, weighting="uniform")}
 
 
 @pytest.mark.parametrize("name", sorted(NEUTRAL))
@@ -212,6 +215,21 @@ def test_neutral_settings_give_fedavg_bits(interpreted, name, num_clients):
     state = {"previous_P": torch.randn(NUM_PARAMS)} if rule == "fedmom" else None
     new_P, _, _ = aggregate(rule, global_P, stacks, hp, state)
     assert torch.equal(new_P, aggregate("fedavg", global_P, stacks, hp_of(weighting=hp.weighting))[0])
+
+
+# the rules whose fused part is the mean alone (FedAdam's family: delta; the robust rules: the
+# mean of the rows they keep, after a torch sort or selection)
+MEAN_ONLY = {"fedyogi": hp_of(), "fedadagrad": hp_of(), "fedmedian": hp_of(), "fedtrimmedavg": hp_of(trim_beta=0.2),
+             "krum": hp_of(byzantine_f=1, krum_m=3), "bulyan": hp_of(byzantine_f=1)}
+
+
+@pytest.mark.parametrize("name", sorted(MEAN_ONLY))
+def test_rules_through_the_triton_mean_agree_with_their_torch_ops(interpreted, name):
+    global_P, stacks = inputs(7, 8, strided=True)
+    new_P, _, _ = aggregate(name, global_P, stacks, MEAN_ONLY[name])
+    with kernels.forced("torch"):
+        torch_P, _, _ = run(name, global_P, stacks, MEAN_ONLY[name])
+    torch.testing.assert_close(new_P, torch_P, rtol=1e-6, atol=1e-6)
 
 
 RULE_HPS = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9),

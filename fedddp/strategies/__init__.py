@@ -59,4 +59,5 @@ from . import fedavg  # noqa: F401
 from . import fedmom, fedcong, fedgma, cgw, feder  # noqa: F401
 from . import scaffold, fednova, fedsmoo  # noqa: F401
 from . import dpfedavg  # noqa: F401
-from . import fedadam  # noqa: F401
+from . import fedadam, fedyogi  # noqa: F401
+from . import coordinatewise, krum  # noqa: F401

@@ -35,35 +35,52 @@ def mean_delta_P(weights_K, params_KP, global_P):
     return weighted_mean_P(weights_K, params_KP - global_P)
 
 
-def aggregate(global_P, stacks, state, hp):
-    p = hp.params
-    delta_P = mean_delta_P(client_weights_K(stacks, hp), stacks["params_KP"], global_P)
-    m_P = state["m_P"] * p["beta1"] + delta_P * (1 - p["beta1"])
-    v_P = state["v_P"] * p["beta2"] + delta_P.square() * (1 - p["beta2"])
-    step_P = m_P / (v_P.sqrt() + p["tau"]) * p["eta"]
-    return global_P + step_P, {"m_P": m_P, "v_P": v_P}, {"update_norm": torch.linalg.vector_norm(step_P)}
+def adam_v(v_P, delta_P, p):
+    """Adam's second moment: v <- beta2 v + (1 - beta2) delta^2."""
+    return v_P * p["beta2"] + delta_P.square() * (1 - p["beta2"])
 
 
-def aggregate_span(global_P, stacks, state, hp, span):
-    """The same per column, block by block over this rank's range; update_norm from float64
-    per-block sums of squares added in block order (Strategy.aggregate_span)."""
-    p, weights_K, params_KP = hp.params, client_weights_K(stacks, hp), stacks["params_KP"]
-    new_P, m_P, v_P = (torch.empty_like(global_P) for _ in range(3))
-    sq_rows = []
-    for b in span.blocks:
-        delta_B = mean_delta_P(weights_K, params_KP[:, b], global_P[b])
-        m_P[b] = state["m_P"][b] * p["beta1"] + delta_B * (1 - p["beta1"])
-        v_P[b] = state["v_P"][b] * p["beta2"] + delta_B.square() * (1 - p["beta2"])
-        step_B = m_P[b] / (v_P[b].sqrt() + p["tau"]) * p["eta"]
-        new_P[b] = global_P[b] + step_B
-        sq_rows.append(step_B.double().square().sum())
-    update_norm = span.total(sq_rows, 1)[0].sqrt().to(global_P.dtype)
-    return new_P, {"m_P": m_P, "v_P": v_P}, {"update_norm": update_norm}
+def _step(global_P, params_KP, state_m_P, state_v_P, weights_K, p, second_moment):
+    """(step, m, v) over the given columns: Algorithm 2's server step after the moments."""
+    delta_P = mean_delta_P(weights_K, params_KP, global_P)
+    m_P = state_m_P * p["beta1"] + delta_P * (1 - p["beta1"])
+    v_P = second_moment(state_v_P, delta_P, p)
+    return m_P / (v_P.sqrt() + p["tau"]) * p["eta"], m_P, v_P
+
+
+def adaptive(second_moment):
+    """(aggregate, aggregate_span) of Reddi et al.'s Algorithm 2 with this second moment,
+    ``second_moment(v_P, delta_P, params) -> new v_P``: FedAdam's (adam_v), FedYogi's and
+    FedAdagrad's (fedyogi.py) differ in nothing else."""
+
+    def aggregate(global_P, stacks, state, hp):
+        step_P, m_P, v_P = _step(global_P, stacks["params_KP"], state["m_P"], state["v_P"],
+                                 client_weights_K(stacks, hp), hp.params, second_moment)
+        return global_P + step_P, {"m_P": m_P, "v_P": v_P}, {"update_norm": torch.linalg.vector_norm(step_P)}
+
+    def aggregate_span(global_P, stacks, state, hp, span):
+        """The same per column, block by block over this rank's range; update_norm from float64
+        per-block sums of squares added in block order (Strategy.aggregate_span)."""
+        weights_K, params_KP = client_weights_K(stacks, hp), stacks["params_KP"]
+        new_P, m_P, v_P = (torch.empty_like(global_P) for _ in range(3))
+        sq_rows = []
+        for b in span.blocks:
+            step_B, m_P[b], v_P[b] = _step(global_P[b], params_KP[:, b], state["m_P"][b], state["v_P"][b],
+                                           weights_K, hp.params, second_moment)
+            new_P[b] = global_P[b] + step_B
+            sq_rows.append(step_B.double().square().sum())
+        update_norm = span.total(sq_rows, 1)[0].sqrt().to(global_P.dtype)
+        return new_P, {"m_P": m_P, "v_P": v_P}, {"update_norm": update_norm}
+
+    return aggregate, aggregate_span
+
+
+aggregate, aggregate_span = adaptive(adam_v)
 
 
 def check_params(params: dict) -> list[str]:
     errors = [f"algorithm.params.{k}: must be in [0, 1), got {params[k]}" for k in ("beta1", "beta2")
-              if not 0.0 <= params[k] < 1.0]
+              if k in params and not 0.0 <= params[k] < 1.0]
     errors += [f"algorithm.params.{k}: must be > 0, got {params[k]}" for k in ("eta", "tau") if not params[k] > 0]
     return errors
 
