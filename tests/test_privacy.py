@@ -102,6 +102,56 @@ def test_pld_is_tighter_than_rdp():
     assert pld < rdp
 
 
+
+def step_points(noise, rate, interval):
+    """Grid points of one step's PLD on ``interval`` (dp-accounting's connect-the-dots loss range,
+    the wider of remove and add), known before it is built."""
+    from dp_accounting.pld import privacy_loss_mechanism as plm
+    bounds = [plm.GaussianPrivacyLoss(noise, sampling_prob=rate, adjacency_type=a).connect_dots_bounds()
+              for a in (plm.AdjacencyType.REMOVE, plm.AdjacencyType.ADD)]
+    return max(b.epsilon_upper - b.epsilon_lower for b in bounds) / interval + 1
+
+
+@pytest.mark.parametrize("noise,steps", [(0.01, 8), (0.03, 100), (0.1, 1000)])
+def test_pld_accounting_of_a_small_noise_stays_bounded(monkeypatch, noise, steps):
+    """At dp-accounting's default grid (1e-4) one step of z = 0.01 at q = 1/3 is 60 million points
+    (its loss range grows as 1 / z^2) and 8 rounds took over 8 minutes and 4.7 GB. The grid is
+    coarsened so that one step's PLD has at most PLD_STEP_POINTS points and the composition at
+    most PLD_POINTS (checked before anything is built, so the old grid fails at once instead of
+    running for minutes); the epsilon is still finite and, PLD being tighter, below RDP's."""
+    step_bound, composed_bound = 1 << 17, 1 << 20  # dpfedavg.PLD_STEP_POINTS, PLD_POINTS
+    module = dp_accounting.pld.privacy_loss_distribution
+    build, read = module.from_gaussian_mechanism, module.PrivacyLossDistribution.get_epsilon_for_delta
+    composed = []
+
+    def checked_build(*args, **kw):
+        assert step_points(kw["standard_deviation"], kw["sampling_prob"], kw["value_discretization_interval"]) \
+            <= step_bound
+        return build(*args, **kw)
+
+    def checked_read(pld, delta):
+        composed.append(max(pld._pmf_remove.size, pld._pmf_add.size))
+        return read(pld, delta)
+
+    monkeypatch.setattr(module, "from_gaussian_mechanism", checked_build)
+    monkeypatch.setattr(module.PrivacyLossDistribution, "get_epsilon_for_delta", checked_read)
+    pld = dpfedavg.poisson_epsilon(noise, 1 / 3, steps, 1e-5, "pld")
+    assert composed and max(composed) <= composed_bound
+    assert (dpfedavg.PLD_STEP_POINTS, dpfedavg.PLD_POINTS) == (step_bound, composed_bound)
+    assert dpfedavg.pld_interval(noise, 1 / 3, steps) > dpfedavg.PLD_INTERVAL
+    assert 0 < pld < dpfedavg.poisson_epsilon(noise, 1 / 3, steps, 1e-5, "rdp") < math.inf
+
+
+def test_a_coarser_pld_grid_keeps_the_fine_epsilon():
+    """z = 0.3 (373,475 points a step at 1e-4) is composed on 4e-4: its epsilon is the default
+    grid's (dp-accounting's PLDAccountant) to a millionth, and both are upper bounds (pessimistic
+    connect-the-dots on any grid); the quickstart's z = 1 keeps the default grid."""
+    assert dpfedavg.pld_interval(0.3, 1 / 3, 8) == 4 * dpfedavg.PLD_INTERVAL
+    assert dpfedavg.pld_interval(1.0, 1 / 3, 40) == dpfedavg.PLD_INTERVAL
+    assert dpfedavg.poisson_epsilon(0.3, 1 / 3, 8, 1e-5) == pytest.approx(
+        direct_poisson(0.3, 1 / 3, 8, 1e-5, "pld"), rel=1e-6)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_reported_poisson_epsilon_is_the_accountants(tmp_path, accountant):
@@ -215,6 +265,45 @@ def test_adaptive_clip_follows_its_quantile(start, noise):
         assert 11.999 <= late.min() and late.max() < 13.001  # the norms are float32
     else:
         assert 10 <= late.median() <= 15 and 8 <= late.min() and late.max() <= 19
+
+
+@pytest.mark.parametrize("norm,fraction", [(3.0, -0.2), (0.2, 1.2)])
+def test_adaptive_clip_clamps_the_noised_fraction(norm, fraction):
+    """Poisson sampling: 14 reports for an expected cohort of K = 10. All clipped, b~ = (0 - 7) / 10
+    + 1/2 = -0.2; all within C, (14 - 7) / 10 + 1/2 = 1.2. As TF Privacy's QuantileEstimatorQuery,
+    the step takes b~ clamped to [0, 1], so the clip grows by exp(eta_C gamma) at most and shrinks
+    by exp(-eta_C (1 - gamma)) at most (here exp(0.1) = 1.105, not exp(0.14) = 1.150); metrics'
+    unclipped_fraction_noised is b~ as released."""
+    global_P, stacks = known_norms([norm] * 14)
+    stacks["num_sampled"] = torch.tensor(10.0)
+    hp = dp_hp(dp_clip=1.0, dp_noise=0.0, dp_adaptive_quantile=0.5, dp_adaptive_lr=0.2)
+    _, state, diag = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, hp), hp)
+    assert float(diag["unclipped_fraction_noised"]) == pytest.approx(fraction)
+    bound = math.exp(0.2 * 0.5) if fraction < 0 else math.exp(-0.2 * (1 - 0.5))
+    assert float(state["dp_clip"]) == pytest.approx(bound, rel=1e-12)
+
+
+def test_adaptive_clip_moves_within_the_clamped_bounds_under_noise():
+    """With the count's noise too (z = 0.8, sigma_b = 10 / 20: std 0.05 on b~), 14 reports for K = 10,
+    some clipped, over many seeds: b~ leaves [0, 1] and the growth factor never leaves
+    [exp(-eta_C (1 - gamma)), exp(eta_C gamma)], reaching the bound whenever b~ is outside."""
+    gamma, eta = 0.3, 0.2
+    low, high = math.exp(-eta * (1 - gamma)), math.exp(eta * gamma)
+    hp = dp_hp(dp_clip=1.0, dp_noise=0.8, dp_adaptive_quantile=gamma, dp_adaptive_lr=eta)
+    outside = 0
+    for seed in range(60):
+        for norms in ([3.0] * 14, [0.5] * 13 + [3.0], [0.5] * 7 + [3.0] * 7):
+            global_P, stacks = known_norms(norms, seed=seed)
+            stacks["num_sampled"] = torch.tensor(10.0)
+            _, state, diag = dpfedavg.aggregate(global_P, stacks, dpfedavg.init_state(global_P, hp), hp)
+            below, growth = float(diag["unclipped_fraction_noised"]), float(state["dp_clip"])
+            assert low * (1 - 1e-12) <= growth <= high * (1 + 1e-12)
+            if not 0 <= below <= 1:
+                outside += 1
+                assert growth == pytest.approx(high if below < 0 else low, rel=1e-12)
+            else:
+                assert growth == pytest.approx(math.exp(-eta * (below - gamma)), rel=1e-12)
+    assert outside >= 60
 
 
 def test_dpfedmom_is_the_mechanism_then_fedmoms_step():
