@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import sys
 import threading
 import time
@@ -31,8 +32,6 @@ STALLED_EXIT = StalledError.exit_code  # exit status of the live ranks when a ra
 
 
 class Comm:
-    groups_made = 0  # process groups this process has made: the same count on every rank
-
     def __init__(self, env: ProcessEnv, device: str, timeout_s: float = 1800.0):
         self.env = env
         self.rank = env.rank
@@ -64,26 +63,35 @@ class Comm:
         if self.distributed and not self.owns_group:
             _check_group(env, self.backend)
         if self.owns_group:
+            timeout = datetime.timedelta(seconds=timeout_s)
+            start = time.monotonic()
             try:
-                timeout = datetime.timedelta(seconds=timeout_s)
                 store, _, _ = next(dist.rendezvous(f"tcp://{env.master_addr}:{env.master_port}", env.rank,
                                                    env.world_size, timeout=timeout))
-                # The store outlives a destroyed group (torchrun's agent keeps it), and a group made
-                # again in the same process (fedddp.run called twice) would read the old group's
-                # addresses from it: each group this process makes gets keys of its own.
-                Comm.groups_made += 1
-                dist.init_process_group(
-                    self.backend, store=dist.PrefixStore(f"fedddp/{Comm.groups_made}", store),
-                    rank=env.rank, world_size=env.world_size,
-                    device_id=self.device if self.backend == "nccl" else None, timeout=timeout)
+                prefix = _group_prefix(store, env.rank, env.world_size, timeout_s)
             except RuntimeError as exc:
-                if "timed out" not in str(exc).lower():
+                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
                     raise
-                reason = str(exc).splitlines()[0].split("[", 1)[0].strip()
+                raise StalledError(_not_met(env, timeout_s, _reason(exc))) from None
+            try:
+                dist.init_process_group(
+                    self.backend, store=dist.PrefixStore(prefix, store), rank=env.rank,
+                    world_size=env.world_size, device_id=self.device if self.backend == "nccl" else None,
+                    timeout=timeout)
+            except RuntimeError as exc:
+                text, elapsed = str(exc).lower(), time.monotonic() - start
+                if "timed out" not in text and "timeout" not in text and "connectfullmesh" not in text:
+                    raise
+                if elapsed >= timeout_s:
+                    raise StalledError(_not_met(env, timeout_s, _reason(exc))) from None
+                # Not the timeout: the ranks met in the store, then failed to connect to each other
+                # (gloo's "timed out connecting" is its few quick retries of a refused connection).
                 raise StalledError(
-                    f"rank {env.rank}: the {env.world_size} ranks did not all meet at {env.master_addr}:"
-                    f"{env.master_port} within {timeout_s:g} s (run.collective_timeout_s): {reason}; start "
-                    f"every rank, with the same MASTER_ADDR and MASTER_PORT") from None
+                    f"rank {env.rank}: the {env.world_size} ranks met at {env.master_addr}:{env.master_port} "
+                    f"but could not connect to each other, after {elapsed:.1f} s of the {timeout_s:g} s "
+                    f"allowed (run.collective_timeout_s): {_reason(exc)}; check that every rank can reach "
+                    f"the others' addresses (GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME names the network "
+                    f"interface to use)") from None
         self.heartbeat = Heartbeat(dist.distributed_c10d._get_default_store(), self.rank, self.world_size,
                                    timeout_s) if self.distributed and self.world_size > 1 else None
         # Bytes this rank has sent and received through gather_rows, broadcast_ and exchange, as
@@ -211,6 +219,64 @@ class Comm:
             self.heartbeat.stop()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _group_prefix(store, rank: int, world_size: int, timeout_s: float) -> str:
+    """Keys of its own for the process group about to be made in ``store``, the same on every rank.
+
+    The store can hold an earlier group's keys: torchrun (torch 2.5 and later) hands its workers
+    the agent's own store, which outlives them, so the workers it restarts after a rank died find
+    the previous attempt's keys there (pytorch/pytorch#135712), and ``fedddp.run`` called twice in
+    one process finds its first group's. Under a fixed prefix the new ranks read the addresses of
+    processes that are gone: gloo's connectFullMesh was refused at once, or waited out the whole
+    timeout for a pairing that never came, depending on which rank wrote its address first.
+    TORCHELASTIC_RESTART_COUNT cannot tell attempts apart: torchrun keeps it per node (a node
+    whose own workers were healthy restarts them without counting), so the ranks of one attempt
+    may hold different counts.
+
+    So rank 0 takes a new number from a counter in the store (``fedddp/groups``) and hands it to
+    each rank in answer to a request only that rank's present process can have made: every other
+    rank counts up its own key (``fedddp/hello/RANK``) and waits for the answer under
+    ``fedddp/answer/RANK/COUNT``, a key that no process before it waited on. Rank 0 answers each
+    count it reads (an earlier process's too, an answer nobody reads) until every rank has said,
+    under the new number, that it has it. Raises RuntimeError (with "timed out") past
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        group = store.add("fedddp/groups", 1)
+        joined, answered = f"fedddp/joined/{group}", {}
+        while (arrived := store.add(joined, 0)) < world_size - 1:
+            for r in range(1, world_size):
+                count = store.add(f"fedddp/hello/{r}", 0)
+                if count and answered.get(r) != count:
+                    store.set(f"fedddp/answer/{r}/{count}", str(group))
+                    answered[r] = count
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out: {arrived + 1}/{world_size} ranks arrived")
+            time.sleep(0.01)
+    else:
+        count = store.add(f"fedddp/hello/{rank}", 1)
+        answer = f"fedddp/answer/{rank}/{count}"
+        try:
+            store.wait([answer], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as exc:
+            raise RuntimeError(f"timed out: rank 0 did not answer ({_reason(exc)})") from None
+        group = int(store.get(answer))
+        store.add(f"fedddp/joined/{group}", 1)
+    return f"fedddp/{group}"
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception's first line without the C++ source locations torch and gloo put in it."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return re.sub(r"\s*\[[^\]\s]+\.(?:c|cc|cpp|cxx|h|hpp):\d+\]\s*", " ", line).strip()
+
+
+def _not_met(env: ProcessEnv, timeout_s: float, reason: str) -> str:
+    return (f"rank {env.rank}: the {env.world_size} ranks did not all meet at {env.master_addr}:"
+            f"{env.master_port} within {timeout_s:g} s (run.collective_timeout_s): {reason}; start every "
+            f"rank, with the same MASTER_ADDR and MASTER_PORT")
 
 
 def _check_group(env: ProcessEnv, backend: str) -> None:
