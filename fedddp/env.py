@@ -100,9 +100,10 @@ def resolve(environ=None) -> ProcessEnv:
 
 def write_status(code: int, line: str, order: int, environ=None) -> None:
     """Leave a failed rank's exit status and one-line message where a launcher finds them:
-    torchrun reports any failed worker as status 1 inside its own banner, so launch/local.sh and
-    the sbatch templates name a file in FEDDDP_STATUS_FILE and read it back (``STATUS<TAB>ORDER<TAB>
-    LINE`` per line, appended by each rank that failed; the line of the lowest ORDER is the run's).
+    torchrun reports any failed worker as status 1 inside its own banner, so fedddp.launch (and
+    launch/local.sh over it), fedddp.slurm and the sbatch templates name a file in
+    FEDDDP_STATUS_FILE and read it back (``read_status``; ``STATUS<TAB>ORDER<TAB>LINE`` per line,
+    appended by each rank that failed; the line of the lowest ORDER is the run's).
     ORDER is the rank, plus the world size for a line that only relays another rank's error."""
     path = (os.environ if environ is None else environ).get(STATUS_FILE_VAR)
     if not path:
@@ -116,3 +117,16 @@ def write_status(code: int, line: str, order: int, environ=None) -> None:
             os.close(fd)
     except OSError:
         pass  # the line is on stderr already; the launcher then reports torchrun's status
+
+
+def read_status(path: str) -> list[tuple[int, int, str]]:
+    """The records ``write_status`` left in ``path``: (status, order, line), the run's own (the
+    lowest order) first; [] without a file or a record."""
+    try:
+        with open(path) as fh:
+            rows = [line.rstrip("\n").split("\t", 2) for line in fh]
+    except OSError:
+        return []
+    records = [(int(row[0]), int(row[1]), row[2]) for row in rows
+               if len(row) == 3 and row[0].isdigit() and row[1].isdigit()]
+    return sorted(records, key=lambda record: record[1])
