@@ -55,6 +55,23 @@ class RunConfig:
                                 "resolved when the config loads (docs/algorithms.md).",
                         ("auto", "fixed", "poisson"))
     eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).")
+    client_eval_every: int = opt(0, "Client (federated) evaluation every this many rounds (and at the end); 0: "
+                                    "off. A cohort of clients (run.client_eval_clients) evaluates the round's "
+                                    "global model on its own held-out samples (data.client_test_fraction, which "
+                                    "must then be > 0), split over ranks as training is: metrics.jsonl gains "
+                                    "client_eval_* keys (the metric's mean, sample-weighted mean and 10/50/90th "
+                                    "percentiles over the cohort, the loss's mean and weighted mean) and "
+                                    "client_eval.jsonl a row per (round, client) (docs/running.md, \"Client "
+                                    "evaluation\"). Training is unchanged by it.")
+    client_eval_clients: int = opt(0, "Clients a round's client evaluation takes (at most data.num_clients): drawn "
+                                      "from (run.seed, round) among the clients with held-out samples, the "
+                                      "same on any world size; 0: every client with held-out samples.")
+    client_eval_steps: int = opt(0, "Client evaluation's local steps k. 0: the global model as it is. k > 0: also "
+                                    "personalized accuracy (client_eval_personalized_* keys): each client takes k "
+                                    "steps of the run's local rule and optimizer (train.*, from an empty client "
+                                    "state) on its training samples, from a seed of its own, on a copy, and "
+                                    "evaluates the result: the global model and the client's state are left "
+                                    "untouched.")
     ckpt_every: int = opt(0, "Write a checkpoint every this many rounds (0: none but at run.stop_after; "
                              "final.pt is written either way).")
     resume: bool = opt(False, "Continue from the newest complete checkpoint in out_dir/checkpoints. Forced "
@@ -151,7 +168,8 @@ def same_setting(key: str, recorded: Any, configured: Any) -> bool:
 RESUME_MAY_CHANGE = frozenset({
     "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.tensorboard", "run.stop_after",
     "run.resume", "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root",
-    "data.download", "data.path", "run.aggregation"})
+    "data.download", "data.path", "run.aggregation", "run.client_eval_every", "run.client_eval_clients",
+    "run.client_eval_steps"})
 
 
 @dataclass
@@ -182,6 +200,13 @@ class DataConfig:
     colored_flip_min: float = opt(0.1, "Colored MNIST binary: smallest client probability of the other colour.")
     colored_flip_max: float = opt(0.2, "Colored MNIST binary: largest client probability of the other colour.")
     colored_test_flip: float = opt(0.9, "Colored MNIST binary: probability of the reversed colour in the test set.")
+    client_test_fraction: float = opt(0.0, "Share of each client's samples held out of its training for client "
+                                           "evaluation (run.client_eval_every), in [0, 1): round(fraction x n) of "
+                                           "a client's n (at most n - 1), picked by a permutation seeded by "
+                                           "(data.seed, client id), so the same on every rank and world size. "
+                                           "0: none, every sample trains (as without the key); > 0 with "
+                                           "run.client_eval_every = 0 trains on the same reduced data without "
+                                           "evaluating.")
     synthetic_alpha: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client model mean u_k.")
     synthetic_beta: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client input mean B_k.")
     synthetic_iid: bool = opt(False, "Synthetic IID variant: one shared model, v_k = 0.")
@@ -517,7 +542,8 @@ def check_fields(cfg: Config) -> list[str]:
     non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
                     "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
                     "train.weight_decay", "algorithm.server_lr", "data.seed", "train.lr_gamma",
-                    "data.synthetic_alpha", "data.synthetic_beta"]
+                    "data.synthetic_alpha", "data.synthetic_beta", "run.client_eval_every",
+                    "run.client_eval_clients", "run.client_eval_steps"]
     for path in positive + non_negative:
         section, key = path.split(".")
         value = getattr(getattr(cfg, section), key)
@@ -529,6 +555,15 @@ def check_fields(cfg: Config) -> list[str]:
         errors.append(f"run.aggregation_block: must be a positive multiple of 64, got {cfg.run.aggregation_block}")
     if not 0.0 <= cfg.data.holdout_from_test < 1.0:
         errors.append(f"data.holdout_from_test: must be in [0, 1), got {cfg.data.holdout_from_test}")
+    if not 0.0 <= cfg.data.client_test_fraction < 1.0:
+        errors.append(f"data.client_test_fraction: must be in [0, 1), got {cfg.data.client_test_fraction}")
+    elif cfg.run.client_eval_every > 0 and cfg.data.client_test_fraction == 0:
+        errors.append(f"run.client_eval_every: {cfg.run.client_eval_every} evaluates clients on their held-out "
+                      "samples, but data.client_test_fraction = 0 holds none out; set e.g. "
+                      "data.client_test_fraction=0.2")
+    if cfg.run.client_eval_clients > cfg.data.num_clients:
+        errors.append(f"run.client_eval_clients: {cfg.run.client_eval_clients} but only data.num_clients = "
+                      f"{cfg.data.num_clients}; lower it (0: every client with held-out samples)")
     if not 0.0 <= cfg.run.participation <= 1.0:
         errors.append(f"run.participation: must be in [0, 1], got {cfg.run.participation}")
     if cfg.run.participation <= 0 and cfg.run.clients_per_round == 0:

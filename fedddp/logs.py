@@ -8,6 +8,10 @@
                   train_time_s and the server rule's per-client diagnostics. Clients that dropped
                   out or missed the deadline did not report and have no line (metrics.jsonl's
                   dropped lists them)
+  client_eval.jsonl  one JSON object per (round, evaluated client), in client-id order, on the
+                  rounds of client evaluation (run.client_eval_every; fedddp.client_eval): round,
+                  client, rank (the rank that evaluated it), num_samples (held-out), steps (k),
+                  loss and the task's metric (accuracy or mae)
   tensorboard/    event files with every number of metrics.jsonl as a scalar per round
                   (run.tensorboard = true; the optional extra fedddp[tensorboard])
 
@@ -38,7 +42,7 @@ import torch
 from . import checkpoint, outdir
 from .errors import ConfigError, DataError
 
-JSONL = ("metrics.jsonl", "clients.jsonl")
+JSONL = ("metrics.jsonl", "clients.jsonl", "client_eval.jsonl")
 CSV = "metrics.csv"
 TENSORBOARD = "tensorboard"
 PER_CLIENT_SUFFIXES = ("_K", "_KL")
@@ -103,13 +107,14 @@ class RunLogs:
             self.writer = SummaryWriter(tb_dir, purge_step=start_round if start_round > 1 else None)
 
     def write_round(self, line: dict, diagnostics: dict, stacks: dict, reported: list[int],
-                    rank_of: dict[int, int], last_ckpt: str | None, sync: bool = False) -> dict:
+                    rank_of: dict[int, int], last_ckpt: str | None, sync: bool = False,
+                    client_eval: list[dict] | None = None) -> dict:
         """Writes round ``line["round"]`` to every file and returns its metrics.jsonl object.
         ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors,
         ``stacks`` the report stacks of the ``reported`` clients (rows in client-id order;
         empty when none reported), ``rank_of`` each client's training rank. ``sync``: fsync
         the files (a checkpoint of this round is completed next and must not outlive its rows
-        in a power cut)."""
+        in a power cut). ``client_eval``: the round's client_eval.jsonl objects (client evaluation)."""
         per_client = {name: v for k, v in diagnostics.items() if (name := per_client_name(k))}
         line = line | {k: to_json(v) for k, v in diagnostics.items() if not per_client_name(k)}
         line = {k: finite_or_null(v) for k, v in line.items()}
@@ -118,6 +123,9 @@ class RunLogs:
         if reported:
             self._append("clients.jsonl", _client_lines(line["round"], reported, rank_of, stacks, per_client),
                          last_ckpt, sync)
+        if client_eval:
+            self._append("client_eval.jsonl", "".join(ENCODER.encode({k: finite_or_null(v) for k, v in row.items()})
+                                                      + "\n" for row in client_eval), last_ckpt, sync)
         if self.writer is not None:
             with outdir.disk_full_is_one_line(TENSORBOARD, self.out_dir, last_ckpt):
                 for key, value in line.items():
@@ -220,17 +228,18 @@ def _damaged(path: str, number: int, what: str) -> DataError:
 
 
 def cut_back(kept: dict[str, list[str]]) -> None:
-    """On resume (rank 0, before any data loads): rewrite metrics.jsonl, clients.jsonl and
-    metrics.csv with ``kept_rows``' lines, those of the checkpoint's round and before (a crash
-    may have left rows past it)."""
+    """On resume (rank 0, before any data loads): rewrite metrics.jsonl, clients.jsonl,
+    client_eval.jsonl and metrics.csv with ``kept_rows``' lines, those of the checkpoint's round
+    and before (a crash may have left rows past it)."""
     for path, lines in kept.items():
         checkpoint.atomic_write_text("".join(lines), path)
 
 
 def kept_rows(out_dir: str, last_round: int) -> dict[str, list[str]]:
-    """Each of metrics.jsonl, clients.jsonl and metrics.csv (those present) -> its lines up to
-    ``last_round``, read and changing nothing: a damaged line is one DataError naming its file
-    and line before anything is rewritten (and ``python -m fedddp --check`` refuses it too)."""
+    """Each of metrics.jsonl, clients.jsonl, client_eval.jsonl and metrics.csv (those present) ->
+    its lines up to ``last_round``, read and changing nothing: a damaged line is one DataError
+    naming its file and line before anything is rewritten (and ``python -m fedddp --check``
+    refuses it too)."""
     kept = {}
     for name in JSONL:
         path = os.path.join(out_dir, name)

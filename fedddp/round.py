@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import asynchrony, checkpoint, config, logs, outdir, participation, strategies, tasks, warmup
+from . import asynchrony, checkpoint, client_eval, config, logs, outdir, participation, strategies, tasks, warmup
 from .algorithms import build_model, describe as describe_algorithm, sampling_of
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import parallel, precision, rules as local_rules
@@ -426,6 +426,7 @@ class Setup:
     # a private rule under Poisson sampling aggregates every round, also one without reports
     every_round: bool = False
     sharded: ShardedServer | None = None   # run.aggregation = sharded, for a rule with a range form
+    client_eval: client_eval.Evaluator | None = None  # run.client_eval_every > 0: built on its first round
 
 
 def _run(cfg: config.Config, comm, resume_round: int) -> dict:
@@ -465,13 +466,14 @@ def close_round(run: Setup, comm, book: Book | None, round_idx: int, clock: dict
     (diagnostics, train loss, stacks). True when run.stop_after stops the run here."""
     rc = run.cfg.run
     test_loss, test_metric = evaluate_round(run, comm, round_idx)
+    clients_evaluated = client_eval.evaluate_round(run, comm, round_idx)  # run.client_eval_every; None: off
     clock["evaluate"] = time.perf_counter()
     stopping = bool(rc.stop_after) and round_idx == rc.stop_after
     written = checkpoint_files(run, comm, round_idx, stopping)
     clock["checkpoint"] = time.perf_counter()
     if book is not None:
         book.write_round(plan, reported, train_s_R, clock, *aggregated, test_loss, test_metric,
-                         sync=written is not None)
+                         sync=written is not None, clients_evaluated=clients_evaluated)
     complete_checkpoint(run, comm, round_idx, written)
     return stopping
 
@@ -595,6 +597,8 @@ def _setup(cfg: config.Config, comm, resume_round: int) -> Setup:
         data.train = data.train.mapped(to_device) if isinstance(data.train, LazyClients) else \
             {c: to_device(d) for c, d in data.train.items()}
         data.test = to_device(data.test)
+        if data.held_out is not None:  # data.client_test_fraction: the clients' held-out samples
+            data.held_out = data.held_out.mapped(to_device)
 
     # -- model and flat vectors: the seeded init is identical on every rank ----------------
     torch.manual_seed(rc.seed)
@@ -956,9 +960,11 @@ class Book:
                   f"{_schedule_words(run.cfg)}; aggregation: {form}; {run.clients_note}", file=sys.stderr, flush=True)
 
     def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
-                    diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric, sync: bool) -> None:
+                    diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric, sync: bool,
+                    clients_evaluated: client_eval.Result | None = None) -> None:
         """The round's rows (fsynced when ``sync``: a checkpoint completes after them) and the
-        progress line."""
+        progress line; ``clients_evaluated``: the round's client evaluation (its keys after the
+        loop's, its rows to client_eval.jsonl)."""
         run, t = self.run, clock
         # test_accuracy is always a key (the output contract). The metric goes under its task's
         # key: test_accuracy itself for classification; for regression test_mae, and
@@ -975,8 +981,11 @@ class Book:
                 # of those, the clients that were drawn to report but planned more steps than
                 # run.deadline_steps (stragglers); the others dropped out (run.dropout)
                 "missed_deadline": sorted(set(plan.reporting) - set(reported))}
+        if clients_evaluated is not None:
+            line |= clients_evaluated.metrics
         rank_of = {c: r for r, clients in enumerate(plan.per_rank) for c in clients}
-        line = self.logs.write_round(line, diagnostics, stacks, reported, rank_of, run.last_ckpt, sync=sync)
+        line = self.logs.write_round(line, diagnostics, stacks, reported, rank_of, run.last_ckpt, sync=sync,
+                                     client_eval=clients_evaluated.rows if clients_evaluated is not None else None)
         self.last_row = line
         self.progress.update(plan.round_idx, run.start_round, line)
 
@@ -999,8 +1008,8 @@ class Book:
         """What a finished run leaves: the folder, its files and (DP-FedAvg) the final epsilon."""
         out_dir = self.run.cfg.run.out_dir
         names = [n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in
-                 ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "final.pt", "checkpoints",
-                  "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
+                 ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "client_eval.jsonl", "final.pt",
+                  "checkpoints", "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
         eps, params = (self.last_row or {}).get("epsilon"), self.run.cfg.algorithm.params
         cohort = f" (for a noise cohort of {params['dp_noise_cohort']} a round)" \
             if params.get("dp_noise_cohort") else ""

@@ -14,6 +14,9 @@ import torch
 _SAMPLE_STREAM = 0x5A17
 _CLIENT_STREAM = 0xC11E
 _POISSON_STREAM = 0x9015
+_EVAL_COHORT_STREAM = 0xE7A1
+_EVAL_CLIENT_STREAM = 0xE7A2
+_HELD_OUT_STREAM = 0x4E1D
 
 
 def _mix(*parts: int) -> int:
@@ -60,6 +63,29 @@ def uniform(*parts: int) -> float:
 
 def client_seed(seed: int, round_idx: int, client_id: int) -> int:
     return _mix(_CLIENT_STREAM, seed, round_idx, client_id)
+
+
+def eval_cohort(eligible: list[int], num: int, seed: int, round_idx: int) -> list[int]:
+    """Client evaluation's cohort of a round (run.client_eval_clients): ``num`` of the
+    ``eligible`` client ids (those with held-out samples; 0 or more than there are: all of them),
+    sorted, drawn without replacement from (seed, round) on a stream of its own, so it neither
+    follows nor moves the training sample, and is the same on every rank for any world size."""
+    if num <= 0 or num >= len(eligible):
+        return sorted(eligible)
+    gen = torch.Generator().manual_seed(_mix(_EVAL_COHORT_STREAM, seed, round_idx))
+    return sorted(eligible[i] for i in torch.randperm(len(eligible), generator=gen)[:num].tolist())
+
+
+def eval_seed(seed: int, round_idx: int, client_id: int) -> int:
+    """The seed of a client's personalization steps in client evaluation (run.client_eval_steps),
+    apart from its training seed (``client_seed``)."""
+    return _mix(_EVAL_CLIENT_STREAM, seed, round_idx, client_id)
+
+
+def held_out_seed(data_seed: int, client_id: int) -> int:
+    """The seed of the permutation that picks a client's held-out samples (data.client_test_fraction),
+    from the data seed and the client id alone."""
+    return _mix(_HELD_OUT_STREAM, data_seed, client_id)
 
 
 def batch_size_of(num_samples: int, batch_size: int) -> int:

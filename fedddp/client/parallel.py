@@ -205,9 +205,9 @@ def _why(refusal: str) -> str:
 
 def _pending_data_bytes(data, sample: ClientData) -> int:
     """The training data a rank may still put on the device: made on first use, any rank may
-    train any client."""
+    train any client (and evaluate its held-out samples, data.client_test_fraction)."""
     per_sample = sample.x[0].numel() * sample.x.element_size() + sample.y[0].numel() * sample.y.element_size()
-    return sum(data.num_samples) * per_sample
+    return (sum(data.num_samples) + sum(data.num_held_out)) * per_sample
 
 
 def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[int, int]:

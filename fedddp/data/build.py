@@ -1,5 +1,7 @@
 """``build(cfg, seed, owned_ids)``: the data set named by ``cfg.data``, split over clients; ``seed``
 is the data seed (``data.seed``), never the run seed, so a run seed changes only training.
+With data.client_test_fraction > 0 each client's held-out samples (client evaluation) are taken
+out of its training samples, seeded by (data seed, client id).
 
 Every rank reads the label arrays and computes the same partition (seeded, pure), so it knows
 every client's sample count; it turns a client's images into float tensors only when the client
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from . import cmapss, colored, idx, leaf, partition, synthetic, tensors, vision
-from .clients import ClientData, FederatedData, LazyClients
+from .clients import ClientData, FederatedData, LazyClients, hold_out
 from .. import plugins
 from ..config import DataConfig
 from ..errors import ConfigError, DataError
@@ -29,6 +31,13 @@ BUILT_WHOLE = frozenset({"femnist", "colored_mnist"})
 
 
 def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
+    """The data set, split over clients; with data.client_test_fraction > 0 each client's
+    held-out samples (client evaluation) taken out of its training samples (``clients.hold_out``),
+    seeded by ``seed`` and the client id alone."""
+    return hold_out(_build(cfg, seed, owned_ids), getattr(cfg.data, "client_test_fraction", 0.0), seed)
+
+
+def _build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
     data = cfg.data
     if seed < 0:  # numpy's SeedSequence takes only non-negative entropy
         raise ConfigError(f"data.seed: must be >= 0, got {seed}")

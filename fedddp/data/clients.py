@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from ..sampling import held_out_seed
 
 
 @dataclass
@@ -25,6 +28,11 @@ class FederatedData:
     train: dict[int, ClientData]  # only the clients this rank owns
     test: ClientData  # the global test set (the round loop shards it over ranks)
     task: str = "classification"  # or "regression" (fedddp.tasks: loss and test metric)
+    # data.client_test_fraction > 0: each client's held-out samples (client evaluation), for the
+    # clients of ``train``, and their counts for all clients; num_samples then counts training
+    # samples only. None and [] without a held-out split.
+    held_out: Mapping[int, ClientData] | None = None
+    num_held_out: list[int] = field(default_factory=list)
 
 
 class LazyClients(Mapping):
@@ -54,3 +62,47 @@ class LazyClients(Mapping):
     def mapped(self, fn: Callable[[ClientData], ClientData]) -> "LazyClients":
         """The same clients with ``fn`` applied on first access (e.g. a move to the GPU)."""
         return LazyClients(lambda cid: fn(self._make(cid)), self._ids)
+
+
+def held_out_count(n: int, fraction: float) -> int:
+    """Samples held out of a client's n: fraction x n rounded to the nearest (halves up), at most
+    n - 1, so every client keeps a training sample (a client of one sample holds none out)."""
+    return max(0, min(n - 1, math.floor(fraction * n + 0.5)))
+
+
+def held_out_positions(n: int, fraction: float, data_seed: int, client_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training positions, held-out positions) of a client's n samples, each ascending: the
+    first ``held_out_count`` of a permutation drawn from (data seed, client id) alone, so every
+    rank picks the same samples for any world size."""
+    m = held_out_count(n, fraction)
+    if m == 0:
+        return torch.arange(n), torch.arange(0)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(held_out_seed(data_seed, client_id)))
+    return order[m:].sort().values, order[:m].sort().values
+
+
+def hold_out(data: FederatedData, fraction: float, data_seed: int) -> FederatedData:
+    """``data`` with each client's held-out samples (data.client_test_fraction) taken out of its
+    training samples: ``train`` and ``held_out`` made per client on first access from the
+    client's samples as built (a client made lazily is made afresh for each part, so neither its
+    whole tensors nor the other part stay in memory), ``num_samples`` the training counts and
+    ``num_held_out`` the held-out ones. Training samples keep their order. ``fraction`` 0:
+    ``data`` itself, unchanged."""
+    if fraction <= 0:
+        return data
+    source, counts = data.train, list(data.num_samples)
+    whole = source._make if isinstance(source, LazyClients) else source.__getitem__
+
+    def part(which: int) -> Callable[[int], ClientData]:
+        def make(cid: int) -> ClientData:
+            full = whole(cid)
+            index = held_out_positions(counts[cid], fraction, data_seed, cid)[which].to(full.y.device)
+            return ClientData(full.x[index], full.y[index])
+        return make
+
+    ids = list(source)
+    data.held_out = LazyClients(part(1), ids)
+    data.train = LazyClients(part(0), ids)
+    data.num_held_out = [held_out_count(n, fraction) for n in counts]
+    data.num_samples = [n - m for n, m in zip(counts, data.num_held_out)]
+    return data
