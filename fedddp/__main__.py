@@ -3,7 +3,9 @@
   python -m fedddp configs/quickstart.toml [section.key=value ...]            one process
   torchrun --standalone --nproc_per_node=4 -m fedddp configs/quickstart.toml  four ranks
   python -m fedddp --check configs/quickstart.toml [section.key=value ...]    check, run nothing
-  python -m fedddp --help                                                     every config key
+  python -m fedddp --help                      every config key, algorithm and built-in rule parameter
+  python -m fedddp --help NAME                 an algorithm's or rule's parameters (a plugin: module:attr)
+  python -m fedddp --version
 
 --check reads the config and builds every client's data and the model in this one process
 (what all ranks together would load), runs one forward pass to compare the model's output with
@@ -30,8 +32,7 @@ import traceback
 # import of torch; an explicit setting in the environment wins.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from . import checks, config, env
-from . import algorithms
+from . import checks, config, env, usage
 from .algorithms import build_model
 from .api import execute
 from .data import build
@@ -42,12 +43,19 @@ from .errors import DataError, PluginError, StalledError, UserError
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nConfig keys (TOML tables; override as section.key=value):\n"
-              + config.describe() + "\n\nThe built-in rules' own parameters ([algorithm.params], or "
-              "[algorithm.params.RULE] for one rule; the old flat key algorithm.NAME still works):\n"
-              + algorithms.describe_params())
-        return 0 if argv else 2
+    if not argv:  # a few lines: what to type (--help has them all)
+        print(usage.short(__doc__), file=sys.stderr)
+        return 2
+    if argv[0] == "--version":
+        print(usage.version())
+        return 0
+    if argv[0] in ("-h", "--help"):
+        try:
+            print(usage.full(__doc__) if len(argv) == 1 else usage.rule(argv[1]))
+        except UserError as exc:
+            print(f"fedddp: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+        return 0
     if "--check" in argv[1:]:  # read as an override, it would be refused without saying why
         print("fedddp: error: --check goes first, before the config file and the overrides: "
               "python -m fedddp --check CONFIG.toml [section.key=value ...]", file=sys.stderr)

@@ -8,7 +8,9 @@ preemption or time-out, resuming from the last checkpoint.
   python -m fedddp.slurm configs/quickstart.toml run.rounds=5 --local --gpus-per-node 0 --tasks-per-node 2
 
 (``python launch/submit.py`` in a checkout is the same command.) Cluster settings are launcher
-flags, never part of the experiment config. The config, its overrides and every client's data
+flags, never part of the experiment config. --dry-run checks as below, then prints the task's
+command, submitit's parameters and the sbatch script submitit would write, and submits nothing
+(no sbatch needed: a preview on a laptop). The config, its overrides and every client's data
 are checked here, before anything is queued, as by ``python -m fedddp --check`` (fedddp's one
 line and status: 2 config, 3 data; --no-data-check checks the config alone, for data only the
 compute nodes see). With --wait a failed run ends with its rank's line and fedddp's status (6: a
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -86,17 +89,9 @@ def status_path(folder, job_id: str) -> str:
 
 
 def _status(path: str) -> tuple[int, str] | None:
-    """(status, fedddp's line) from a status file (``STATUS<TAB>ORDER<TAB>LINE`` records, the
-    lowest order first), or None without one."""
-    try:
-        with open(path) as fh:
-            records = [line.rstrip("\n").split("\t", 2) for line in fh if line.count("\t") >= 2]
-    except OSError:
-        return None
-    if not records:
-        return None
-    code, _, line = min(records, key=lambda r: int(r[1]))
-    return int(code), line
+    """(status, fedddp's line) from a status file (fedddp.env.read_status), or None without one."""
+    records = fedddp_env.read_status(path)
+    return (records[0][0], records[0][2]) if records else None
 
 
 def _status_line(path: str) -> str:
@@ -165,6 +160,8 @@ def parse_args(argv: list[str], prog: str = PROG) -> argparse.Namespace:
     parser.add_argument("--local", action="store_true",
                         help="run on this machine with submitit's LocalExecutor (tests, debugging)")
     parser.add_argument("--wait", action="store_true", help="wait for the job and report its end")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the task's command, submitit's parameters and the sbatch script; submit nothing")
     parser.add_argument("--no-data-check", dest="data_check", action="store_false",
                         help="check the config alone before queueing, not the data (data that only "
                              "the compute nodes see)")
@@ -186,6 +183,12 @@ def make_executor(args: argparse.Namespace) -> submitit.AutoExecutor:
                           "the job on this machine")
     executor = submitit.AutoExecutor(folder=args.output, cluster="local" if args.local else "slurm",
                                      slurm_max_num_timeout=args.max_requeues)
+    executor.update_parameters(**executor_params(args))
+    return executor
+
+
+def executor_params(args: argparse.Namespace) -> dict:
+    """submitit's parameters of the job: AutoExecutor's shared ones, and slurm_* for Slurm's own."""
     tasks = args.tasks_per_node or max(args.gpus_per_node, 1)
     params = dict(name=args.name or os.path.splitext(os.path.basename(args.config))[0],
                   nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=tasks,
@@ -197,8 +200,38 @@ def make_executor(args: argparse.Namespace) -> submitit.AutoExecutor:
         for flag in ("partition", "account", "qos", "constraint"):
             if getattr(args, flag):
                 params[f"slurm_{flag}"] = getattr(args, flag)
-    executor.update_parameters(**params)
-    return executor
+    return params
+
+
+def sbatch_script(args: argparse.Namespace, array: int | None = None) -> str:
+    """The sbatch script submitit writes for the job (a job array of ``array`` tasks), made by
+    submitit's own function from the same parameters, submitting nothing."""
+    from submitit.slurm import slurm as submitit_slurm  # its private helpers: the script, exactly
+
+    names = submitit_slurm.SlurmExecutor._equivalence_dict()
+    params = {key.removeprefix("slurm_") if key.startswith("slurm_") else names[key]: value
+              for key, value in executor_params(args).items()}
+    if "mem" in params:
+        params["mem"] = submitit_slurm._convert_mem(params["mem"])
+    folder = os.path.abspath(args.output)
+    command = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(folder)}"
+    return submitit_slurm._make_sbatch_string(command=command, folder=folder, map_count=array, **params)
+
+
+def dry_run(args: argparse.Namespace, tasks: list[list[str]]) -> str:
+    """What --dry-run prints for a job of one task per ``python -m fedddp`` argv in ``tasks`` (a
+    job array when several)."""
+    where = "submitit's LocalExecutor on this machine" if args.local else "Slurm through submitit"
+    shape = f"a job array of {len(tasks)} tasks" if len(tasks) > 1 else "one job"
+    lines = [f"dry run: nothing submitted; would submit {shape} to {where}"]
+    lines += [f"{f'array task {i}' if len(tasks) > 1 else 'each rank'} runs: python -m fedddp {shlex.join(argv)}"
+              for i, argv in enumerate(tasks)]
+    params = executor_params(args) | {"slurm_max_num_timeout": args.max_requeues}
+    lines.append("submitit parameters: " + ", ".join(f"{k}={v}" for k, v in params.items()))
+    if not args.local:
+        lines += ["sbatch script (submitit's, its array and log paths as it writes them):",
+                  sbatch_script(args, len(tasks) if len(tasks) > 1 else None).rstrip()]
+    return "\n".join(lines)
 
 
 class RunError(Exception):
@@ -210,7 +243,7 @@ class RunError(Exception):
 
 
 def submit(argv: list[str], prog: str = PROG):
-    """Parse, check and submit; returns the submitit job and the parsed flags."""
+    """Parse, check and submit; returns the submitit job (None with --dry-run) and the parsed flags."""
     args = parse_args(argv, prog)
     try:
         run_argv, cfg = checked_argv(args)
@@ -219,6 +252,9 @@ def submit(argv: list[str], prog: str = PROG):
     if cfg.run.ckpt_every == 0:
         print("submit: note: run.ckpt_every = 0: a requeued job starts again from round 1",
               file=sys.stderr)
+    if args.dry_run:
+        print(dry_run(args, [run_argv]))
+        return None, args
     job = make_executor(args).submit(Trainer(run_argv))
     print(f"submitted job {job.job_id}: python -m fedddp {' '.join(run_argv)}")
     print(f"logs: {job.paths.stdout.parent}")
@@ -237,7 +273,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     except UserError as exc:
         print(f"submit: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    if args.wait:
+    if args.wait and job is not None:
         try:
             job.results()
         except Exception as exc:  # submitit re-raises the task's failure with its log

@@ -167,6 +167,42 @@ def test_submit_without_slurm_says_so(tmp_path, monkeypatch, capsys):
     assert "sbatch not found" in capsys.readouterr().err and not (tmp_path / "logs").exists()
 
 
+def no_submitting(monkeypatch):
+    """Any submitit executor made, local or Slurm, fails the test: a dry run submits nothing."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dry run made a submitit executor")
+    monkeypatch.setattr(submitit, "AutoExecutor", refuse)
+    monkeypatch.setattr(slurm, "make_executor", refuse)
+
+
+def test_dry_run_prints_the_resources_and_sbatch_script_and_submits_nothing(tmp_path, monkeypatch, capsys):
+    """--dry-run: the task's command, submitit's parameters and the sbatch script submitit would
+    write, on a machine without sbatch, and nothing queued, written or run."""
+    no_submitting(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch: a preview needs none
+    logs, out = tmp_path / "logs", tmp_path / "out"
+    status = slurm.main([QUICKSTART, "run.rounds=5", f"run.out_dir={out}", "--dry-run", "--partition", "gpu",
+                         "--account", "lab", "--time", "2:00:00", "--gpus-per-node", "2", "--mem-gb", "64",
+                         "--output", str(logs / "%j")])
+    text = capsys.readouterr().out
+    assert status == 0, text
+    assert text.startswith("dry run: nothing submitted; would submit one job to Slurm through submitit\n")
+    assert f"each rank runs: python -m fedddp {QUICKSTART} run.rounds=5 run.out_dir={out}\n" in text
+    assert "submitit parameters: name=quickstart, nodes=1, gpus_per_node=2, tasks_per_node=2, " in text
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=lab", "#SBATCH --time=120",
+                 "#SBATCH --gpus-per-node=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --mem=64GB",
+                 "#SBATCH --signal=USR2@120", f"#SBATCH --output={logs}/%j/%j_0_log.out"):
+        assert line + "\n" in text, line
+    assert "srun --unbuffered" in text and f"-m submitit.core._submit {logs}/%j" in text
+    assert not logs.exists() and not out.exists()
+    local = slurm.main([QUICKSTART, f"run.out_dir={out}", "--dry-run", "--local", "--gpus-per-node", "0",
+                        "--tasks-per-node", "2", "--output", str(logs / "%j")])
+    text = capsys.readouterr().out
+    assert local == 0 and "LocalExecutor" in text and "tasks_per_node=2" in text and "#SBATCH" not in text
+    assert slurm.main([QUICKSTART, "run.rounds=0", "--dry-run"]) == 2  # checked as a submission is
+    assert "run.rounds" in capsys.readouterr().err
+
+
 def submit_command(command: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """``python launch/submit.py ...`` (the script in a checkout) or ``python -m fedddp.slurm
     ...`` (what an installed fedddp has), run from another folder, with this checkout's fedddp."""

@@ -66,9 +66,43 @@ def test_title_axis_labels_and_figure_size(two_groups):
     assert tuple(fig.get_size_inches()) == pytest.approx((3.5, 2.6))
     default, _ = draw(two_groups, "--metric", "test_loss")
     assert (default.axes[0].get_title(), default.axes[0].get_xlabel(), default.axes[0].get_ylabel()) == \
-        ("", "round", "test_loss")
+        ("", "round", "test loss")  # in words, not metrics.jsonl's key
     with pytest.raises(ConfigError, match="--figsize: '3.5x2' is not WIDTH,HEIGHT"):
         draw(two_groups, "--figsize", "3.5x2")
+
+
+def test_default_labels_are_words_ticks_fall_on_evaluated_rounds_and_a_long_title_wraps(tmp_path):
+    """Guards what a new user saw: raw keys as axis labels (test_accuracy, sim_time_s), ticks on
+    rounds without a value (round 3 of a run evaluated every 5), a long title cut off."""
+    assert [plot.words(k) for k in ("test_accuracy", "sim_time_s", "train_imbalance_s", "test_acc")] == \
+        ["test accuracy", "simulated time (s)", "train imbalance (s)", "test acc"]
+    for seed in (0, 1):  # evaluated every 5 rounds of 40
+        fake_run(tmp_path / "every5" / f"s{seed}", [0.1 * seed + r / 100 if r % 5 == 0 else None for r in range(1, 41)],
+                 algorithm__name="fedavg", run__seed=seed)
+    title = "FedAvg on Synthetic(1, 1) with 100 clients, 10 per round, evaluated every 5 rounds, 2 seeds"
+    fig, _ = draw(tmp_path / "every5", "--group-by", "auto", "--title", title, "--figsize", "3.5,2.6")
+    ax = fig.axes[0]
+    assert list(ax.get_xticks()) == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("round", "test accuracy")
+    assert "\n" in ax.get_title() and " ".join(ax.get_title().split()) == title
+    fig.draw_without_rendering()
+    assert ax.title.get_window_extent().width <= ax.get_window_extent().width
+    fake_run(tmp_path / "long" / "a", [0.5] * 200, algorithm__name="fedavg")  # every round: every 20th
+    fig, _ = draw(tmp_path / "long", "--title", "short")
+    assert list(fig.axes[0].get_xticks()) == list(range(20, 201, 20)) and fig.axes[0].get_title() == "short"
+
+
+def test_groups_in_numeric_order_and_a_baseline_named_by_its_rule(tmp_path):
+    """eta 0.003 < 0.01 < 0.03 < 0.1 (as text: 0.01, 0.1, 0.003, 0.03); fedavg, which has no eta,
+    is the series fedavg, not eta=None."""
+    for eta in (0.1, 0.01, 0.003, 0.03):
+        fake_run(tmp_path / f"eta{eta}", [0.5, 0.6], algorithm__name="fedadam", algorithm__params={"eta": eta})
+    fake_run(tmp_path / "fedavg", [0.5, 0.6], algorithm__name="fedavg")
+    fig, _ = draw(tmp_path, "--group-by", "algorithm.params.eta")
+    assert [t.get_text() for t in legend_of(fig).get_texts()] == [
+        "eta=0.003 (n=1)", "eta=0.01 (n=1)", "eta=0.03 (n=1)", "eta=0.1 (n=1)", "fedavg (n=1)"]
+    fig, _ = draw(tmp_path, "--group-by", "auto", "--label", "name=fedavg:FedAvg")  # named: no eta=None
+    assert [t.get_text() for t in legend_of(fig).get_texts()][:2] == ["FedAvg", "name=fedadam, eta=0.003 (n=1)"]
 
 
 def test_label_maps_a_series_to_a_display_name_and_orders_the_legend(two_groups):

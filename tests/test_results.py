@@ -63,13 +63,13 @@ def test_runs_the_sweep_and_writes_the_document(tmp_path):
     assert "| algorithm.name | test_accuracy (last) |" in text
     assert "| algorithm.name | test_loss (mean-last-2) |" in text
     fedavg_row = next(line for line in text.splitlines() if line.startswith("| fedavg | "))
-    assert fedavg_row.endswith(" ± 0.0000 (1) |")
+    assert fedavg_row.endswith(" ± n/a (1) |")  # one seed: no std
     assert "**Verdict rule.** A claimed method reproduces the claim when" in text
     verdicts = [line for line in text.splitlines() if line.startswith("- **")]
-    # one seed: both stds are 0, so any lead counts; the line names both groups and their numbers
+    # one seed: no stds (0 to the rule), so any lead counts; the line names both groups and their numbers
     assert len(verdicts) == 1 and "fedmom 0." in verdicts[0] and "vs fedavg 0." in verdicts[0]
     assert f"- tiny: {verdicts[0][2:].split(' vs ')[0]}\n" in text  # the overview at the top repeats it
-    assert sorted(os.listdir(out)) == ["base.toml", "logs", "name=fedavg,seed=0", "name=fedmom,seed=0"]
+    assert sorted(os.listdir(out)) == ["base.toml", "logs", "name-fedavg", "name-fedmom"]  # one seed: not named
     if importlib.util.find_spec("matplotlib") is not None:  # the figure beside the document, shown with its command
         assert (tmp_path / "figures" / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert "![tiny](figures/tiny.png)" in text

@@ -67,6 +67,35 @@ def test_groups_by_the_differing_keys_and_gives_mean_and_sample_std(sweep):
     assert summary.usable(runs, ["test_accuracy"], print, "rounds-3-4") == []
 
 
+def test_rows_in_numeric_order_baselines_named_constant_columns_dropped_and_one_run_has_no_std(tmp_path):
+    """Guards four frictions of a first table: eta sorted as text (0.01, 0.1, 0.003, 0.03); the
+    fedavg baseline's eta cell None; a column the same in every row; a std of 0.0000 from one run."""
+    for eta in (0.1, 0.01, 0.003, 0.03):
+        for seed in (0, 1):
+            fake_run(tmp_path / f"eta{eta}_s{seed}", [0.5, 0.6 + eta + seed / 100], algorithm__name="fedadam",
+                     algorithm__params={"eta": eta}, run__seed=seed)
+    fake_run(tmp_path / "fedavg", [0.5, 0.6], algorithm__name="fedavg")
+    runs = summary.find_runs([str(tmp_path)])
+    keys = summary.differing_keys(runs)
+    assert keys == ["algorithm.name", "algorithm.params.eta"]
+    table = summary.format_table(summary.summarise(runs, ["test_accuracy"], "last", keys), keys, ["test_accuracy"],
+                                 "last", "md").splitlines()
+    assert table[:3] == ["| algorithm.name | algorithm.params.eta | test_accuracy (last) |", "|---|---|---|",
+                         "| fedadam | 0.003 | 0.6080 ± 0.0071 (2) |"]
+    assert [line.split(" | ")[1] for line in table[2:]] == ["0.003", "0.01", "0.03", "0.1", ""]  # blank: fedavg's
+    assert table[-1] == "| fedavg |  | 0.6000 ± n/a (1) |"
+    by_eta = summary.summarise(runs, ["test_accuracy"], "last", ["algorithm.params.eta"])
+    assert [row["algorithm.params.eta"] for row in by_eta] == [0.003, 0.01, 0.03, 0.1, "fedavg"]  # the rule's name
+    csv_rows = summary.format_table(by_eta, ["algorithm.params.eta"], ["test_accuracy"], "last", "csv").splitlines()
+    assert csv_rows[-1] == "fedavg,0.6,,1"  # one run: no std, an empty cell
+    tuned = [r for r in runs if r.config["algorithm.name"] == "fedadam"]
+    both = ["algorithm.name", "algorithm.params.eta"]
+    table = summary.format_table(summary.summarise(tuned, ["test_accuracy"], "last", both), both,
+                                 ["test_accuracy"], "last", "md").splitlines()
+    assert table[0] == "| algorithm.params.eta | test_accuracy (last) |"
+    assert table[-1] == "Every row: algorithm.name = fedadam."
+
+
 @pytest.mark.processes
 def test_cli_tables_skip_unfinished_and_metricless_runs(sweep, tmp_path):
     root, _ = sweep

@@ -1,6 +1,7 @@
 """fedddp.study.sweep: axes from the [sweep] table and the command line, one folder per combination named
-by its values; a rerun skips finished runs, resumes unfinished ones and refuses a folder that holds
-a run with other settings; --ranks runs through torchrun; --slurm submits a job array."""
+by its values (portable names: key-value_key-value); a rerun skips finished runs, resumes unfinished
+ones (also in folders of older names) and refuses a folder that holds a run with other settings;
+--ranks runs through torchrun; --slurm submits a job array, --slurm --dry-run prints it."""
 
 import glob
 import os
@@ -48,11 +49,11 @@ def test_axes_from_file_and_command_line_expand_to_named_folders(tmp_path):
     points = sweep.expand(axes, "out")
     assert len(points) == 3 * 2 * 2 * 2
     # the first axis varies slowest; the command line replaced the file's algorithm.name axis
-    assert points[0].name == "run.seed=0,partition=iid,dirichlet_alpha=0.3,name=fedavg,data.seed=0"
+    assert points[0].name == "run.seed-0_partition-iid_dirichlet_alpha-0.3_name-fedavg_data.seed-0"
     assert points[1].overrides == ["run.seed=0", "data.partition=iid", "data.dirichlet_alpha=0.3",
                                    "algorithm.name=fedavg", "data.seed=1"]
-    assert points[-1].out_dir == os.path.join("out", "run.seed=2,partition=dirichlet,dirichlet_alpha=0.7,"
-                                                     "name=fedmom,data.seed=1")
+    assert points[-1].out_dir == os.path.join("out", "run.seed-2_partition-dirichlet_dirichlet_alpha-0.7_"
+                                                     "name-fedmom_data.seed-1")
     assert len({p.name for p in points}) == len(points)
     with pytest.raises(ConfigError, match="run.out_dir: set by the sweep"):
         sweep.cli_axes(["run.out_dir=a,b"])
@@ -60,6 +61,94 @@ def test_axes_from_file_and_command_line_expand_to_named_folders(tmp_path):
         sweep.merge_axes([], sweep.cli_axes(["run.seed=0,1", "run.seed+data.seed=0+0"]))
     with pytest.raises(ConfigError, match="each value is a list of 2"):
         sweep.axis_from("data.partition+data.dirichlet_alpha", ["iid"], "sweep.")
+
+
+def test_folder_names_are_portable_and_leave_out_single_valued_axes():
+    """Guards names that broke Windows, scp and make (name=fedmom,seed=2; a plugin's module:attr):
+    only letters, digits and . _ + - remain, and an axis of one value names nothing."""
+    axes = sweep.cli_axes(["algorithm.name=fedavg,examples.my_plugin:TRIMMED_MEAN", "run.seed=2",
+                           "data.path=a b/c.npz,d", "train.lr=0.1,1e-05"])
+    names = [p.name for p in sweep.expand(axes, "out")]
+    assert names[:2] == ["name-fedavg_path-a_b_c.npz_lr-0.1", "name-fedavg_path-a_b_c.npz_lr-1e-05"]
+    assert names[-1] == "name-examples.my_plugin.TRIMMED_MEAN_path-d_lr-1e-05"
+    assert all(set(n) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._+-") for n in names)
+    assert [p.name for p in sweep.expand(sweep.cli_axes(["run.seed=2"]), "out")] == ["run"]
+    assert "run.seed=2" in sweep.expand(axes, "out")[0].overrides  # still set, just not in the name
+
+
+def test_a_rerun_continues_runs_in_folders_of_older_names(tmp_path, capsys):
+    """A sweep run before the names changed (name=fedavg,seed=0), or with an axis of one value
+    then (its folder named without it), is found by its settings: finished runs skipped, the
+    others resumed where they are; a folder with other settings is not taken."""
+    path, out = write_sweep(tmp_path, SWEEP_FILE + 'algorithm.name = ["fedavg", "fedmom"]\n'), tmp_path / "out"
+    _, _, points = sweep.plan(path, [], str(out))
+    by_overrides = {tuple(p.overrides): p for p in points}
+    for old, overrides, state in (("name=fedavg,seed=0", ("run.seed=0", "algorithm.name=fedavg"), "final.pt"),
+                                  ("seed=1", ("run.seed=1", "algorithm.name=fedavg"), "checkpoints"),
+                                  ("name=fedmom,seed=2", ("run.seed=2", "algorithm.name=fedavg"), "final.pt")):
+        cfg = by_overrides[overrides].cfg
+        if old == "name=fedmom,seed=2":
+            cfg = by_overrides[("run.seed=2", "algorithm.name=fedmom")].cfg
+            cfg.run.rounds = 4  # other settings: not this sweep's run
+        (out / old).mkdir(parents=True)
+        (out / old / "config.toml").write_text(config.dumps(cfg))
+        (out / old / state).mkdir() if state == "checkpoints" else (out / old / state).touch()
+    listing = sweep_here(capsys, path, "--out", str(out), "--dry-run")
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout.splitlines()[:6] == [
+        f"done    {out / 'name=fedavg,seed=0'}  run.seed=0 algorithm.name=fedavg",
+        f"new     {out / 'seed-0_name-fedmom'}  run.seed=0 algorithm.name=fedmom",
+        f"resume  {out / 'seed=1'}  run.seed=1 algorithm.name=fedavg",
+        f"new     {out / 'seed-1_name-fedmom'}  run.seed=1 algorithm.name=fedmom",
+        f"new     {out / 'seed-2_name-fedavg'}  run.seed=2 algorithm.name=fedavg",
+        f"new     {out / 'seed-2_name-fedmom'}  run.seed=2 algorithm.name=fedmom"]
+    assert listing.stderr == ("fedddp.study.sweep: 2 combination(s) continue in existing run folders of other names "
+                              "that hold their settings (e.g. name=fedavg,seed=0: an older naming, or an axis "
+                              "that had one value)\n")
+    resumed = next(p for p in sweep.plan(path, [], str(out))[2] if p.status == "resume")
+    assert sweep.run_argv(str(out / "base.toml"), resumed)[-2:] == [f"run.out_dir={out / 'seed=1'}", "run.resume=true"]
+
+
+def test_a_sweep_submitted_in_parts_keeps_each_part_in_its_own_folder(tmp_path):
+    """run.seed=0, then run.seed=1: each part's seed is one value, left out of the names, so the
+    second part's name-fedavg holds the first's run; it goes to seed-1_name-fedavg (every axis)
+    instead of being refused, and the whole sweep later finds both."""
+    path, out = write_sweep(tmp_path, SWEEP_FILE + 'algorithm.name = ["fedavg", "fedmom"]\n'), tmp_path / "out"
+
+    def make(folder, cfg):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "config.toml").write_text(config.dumps(cfg))
+        (out / folder / "final.pt").touch()
+
+    first = sweep.plan(path, ["run.seed=0"], str(out))[2]
+    assert [p.name for p in first] == ["name-fedavg", "name-fedmom"]
+    for point in first:
+        make(point.name, point.cfg)
+    second = sweep.plan(path, ["run.seed=1"], str(out))[2]
+    assert [(p.name, p.status, p.moved) for p in second] == [("seed-1_name-fedavg", "new", "full"),
+                                                             ("seed-1_name-fedmom", "new", "full")]
+    for point in second:
+        make(point.name, point.cfg)
+    whole = sweep.plan(path, [], str(out))[2]
+    assert [(p.name, p.status) for p in whole] == [
+        ("name-fedavg", "done"), ("name-fedmom", "done"), ("seed-1_name-fedavg", "done"),
+        ("seed-1_name-fedmom", "done"), ("seed-2_name-fedavg", "new"), ("seed-2_name-fedmom", "new")]
+
+
+def test_slurm_dry_run_prints_the_job_array_and_submits_nothing(tmp_path, monkeypatch, capsys):
+    from test_launch import no_submitting
+
+    no_submitting(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch here
+    path, out = write_sweep(tmp_path), tmp_path / "out"
+    shown = sweep_here(capsys, path, "--out", str(out), "--slurm", "--dry-run", "--ranks", "2", "--partition", "P",
+                       "--time", "30", "--output", str(tmp_path / "submitit" / "%j"))
+    assert shown.returncode == 0, shown.stderr
+    assert "would submit a job array of 3 tasks to Slurm through submitit" in shown.stdout
+    assert f"array task 2 runs: python -m fedddp {out / 'base.toml'} run.seed=2 run.out_dir={out / 'seed-2'}" in shown.stdout
+    for line in ("#SBATCH --array=0-2%3", "#SBATCH --ntasks-per-node=2", "#SBATCH --partition=P", "#SBATCH --time=30"):
+        assert line + "\n" in shown.stdout, line
+    assert not out.exists() and not (tmp_path / "submitit").exists()
 
 
 def test_a_sweep_file_run_directly_says_how_to_run_it(tmp_path):
@@ -73,7 +162,7 @@ def test_bad_combination_is_one_line_naming_it_and_the_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedddp.study.sweep", path, "run.rounds=2,0", "--dry-run",
                            "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "combination seed=0,rounds=0" in proc.stderr and path in proc.stderr
+    assert "combination seed-0_rounds-0" in proc.stderr and path in proc.stderr
     assert "run.rounds: must be > 0" in proc.stderr and not (tmp_path / "out").exists()
 
 
@@ -106,13 +195,14 @@ def sweep_here(capsys, *args):
 @pytest.mark.e2e
 def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_path, capsys):
     path, out = write_sweep(tmp_path), tmp_path / "out"
-    first = run_sweep(path, "run.seed=0", "--out", str(out))  # the command line narrows the axis
+    # the command line narrows the axis to one value, which names no folder: out/run
+    first = run_sweep(path, "run.seed=0", "--out", str(out))
     assert first.returncode == 0, first.stderr
-    finished = out / "seed=0" / "final.pt"
+    finished = out / "run" / "final.pt"
     stamp = finished.stat().st_mtime_ns
     # seed 1 stopped after round 1 with a checkpoint: unfinished
-    run_here([f"run.out_dir={out / 'seed=1'}", "run.seed=1", "run.stop_after=1"], config=str(out / "base.toml"))
-    assert not (out / "seed=1" / "final.pt").exists()
+    run_here([f"run.out_dir={out / 'seed-1'}", "run.seed=1", "run.stop_after=1"], config=str(out / "base.toml"))
+    assert not (out / "seed-1" / "final.pt").exists()
 
     listing = sweep_here(capsys, path, "--out", str(out), "--dry-run")
     assert listing.returncode == 0, listing.stderr
@@ -120,22 +210,22 @@ def test_rerun_skips_finished_resumes_unfinished_and_refuses_other_settings(tmp_
 
     second = run_sweep(path, "--out", str(out), "--parallel", "2")
     assert second.returncode == 0, second.stderr
-    assert finished.stat().st_mtime_ns == stamp  # skipped, not rerun
-    assert "seed=0" not in second.stdout
-    assert "run.resume=true" in (out / "logs" / "seed=1.log").read_text().splitlines()[0]  # its command
-    assert "run.resume=true" not in (out / "logs" / "seed=2.log").read_text()
+    assert finished.stat().st_mtime_ns == stamp  # skipped (found in out/run by its settings), not rerun
+    assert not (out / "seed-0").exists() and "1 combination(s) continue in existing run folders" in second.stderr
+    assert "run.resume=true" in (out / "logs" / "seed-1.log").read_text().splitlines()[0]  # its command
+    assert "run.resume=true" not in (out / "logs" / "seed-2.log").read_text()
     invocations = (out / "logs" / "sweep.log").read_text().splitlines()
     assert len(invocations) == 2 and " commit " in invocations[1]
     assert invocations[1].endswith(f"python -m fedddp.study.sweep {path} --out {out} --parallel 2")
     for seed in (1, 2):
-        assert (out / f"seed={seed}" / "final.pt").exists()
-        assert [row["round"] for row in metrics(out / f"seed={seed}")] == [1, 2, 3]
+        assert (out / f"seed-{seed}" / "final.pt").exists()
+        assert [row["round"] for row in metrics(out / f"seed-{seed}")] == [1, 2, 3]
 
     # --ranks 2: through torchrun, and bitwise the run of one rank
     ranked = run_sweep(path, "run.seed=0", "--ranks", "2", "--out", str(tmp_path / "ranked"))
     assert ranked.returncode == 0, ranked.stderr
-    assert "--nproc_per_node=2" in (tmp_path / "ranked" / "logs" / "seed=0.log").read_text()
-    assert_same_state(final_state(tmp_path / "ranked" / "seed=0"), final_state(out / "seed=0"))
+    assert "--nproc_per_node=2" in (tmp_path / "ranked" / "logs" / "run.log").read_text()
+    assert_same_state(final_state(tmp_path / "ranked" / "run"), final_state(out / "run"))
 
     (tmp_path / "sweep.toml").write_text(SWEEP_FILE.replace("num_clients = 8", "num_clients = 9"))
     refused = sweep_here(capsys, path, "--out", str(out), "--dry-run")
@@ -168,7 +258,7 @@ def test_sigterm_stops_the_sweep_and_its_running_run(tmp_path):
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     runs = []
     try:
-        wait_for_rounds(out / "seed=0", 1, proc, log)
+        wait_for_rounds(out / "run", 1, proc, log)
         runs = descendants(proc.pid)
         assert runs
         proc.send_signal(signal.SIGTERM)
@@ -183,11 +273,11 @@ def test_sigterm_stops_the_sweep_and_its_running_run(tmp_path):
     log.seek(0)
     text = log.read()
     assert status == 143 and not left, (status, left, text[-3000:])
-    assert "fedddp.study.sweep: stopped by SIGTERM" in text and "stopped seed=0" in text, text[-3000:]
-    assert not (out / "seed=0" / "final.pt").exists()
+    assert "fedddp.study.sweep: stopped by SIGTERM" in text and "stopped run" in text, text[-3000:]
+    assert not (out / "run" / "final.pt").exists()
     again = run_sweep(path, "run.seed=0", "--out", str(out))
     assert again.returncode == 0, again.stdout + again.stderr
-    assert [row["round"] for row in metrics(out / "seed=0")] == list(range(1, 6))
+    assert [row["round"] for row in metrics(out / "run")] == list(range(1, 6))
 
 
 @pytest.mark.slow
@@ -202,13 +292,13 @@ def test_slurm_job_array_through_submitits_local_executor(tmp_path, monkeypatch)
     assert sweep.main([path, "--out", str(out), "--slurm", "--local", "--gpus-per-node", "0", "--time", "10",
                        "run.seed=0,1", "--output", str(tmp_path / "submitit" / "%j")]) == 0
     deadline = time.monotonic() + 300
-    while not all((out / f"seed={s}" / "final.pt").exists() for s in (0, 1)):
+    while not all((out / f"seed-{s}" / "final.pt").exists() for s in (0, 1)):
         errors = "".join(p.read_text() for p in (tmp_path / "submitit").rglob("*.err"))
         assert "Traceback" not in errors, errors[-3000:]
         assert time.monotonic() < deadline, errors[-3000:]
         time.sleep(1)
-    assert [row["round"] for row in metrics(out / "seed=1")] == [1, 2, 3]
-    assert sorted(os.listdir(out)) == ["base.toml", "logs", "seed=0", "seed=1"]  # logs/sweep.log: provenance
+    assert [row["round"] for row in metrics(out / "seed-1")] == [1, 2, 3]
+    assert sorted(os.listdir(out)) == ["base.toml", "logs", "seed-0", "seed-1"]  # logs/sweep.log: provenance
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "sweeps", "*.toml"))),

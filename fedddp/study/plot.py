@@ -11,9 +11,10 @@ quick look, or a figure for a paper.
 A folder is a run's out_dir or any folder above run folders (a sweep's --out). Each line is a
 series. Without --group-by each run is one series, named by its folder (the legend adds its
 algorithm). With --group-by KEYS (comma-separated config keys, or ``auto``: the keys that differ,
-seeds left out, as fedddp.study.summary groups) each group is one series, named as the summary
-names its row, key=value for each key's last part (``name=fedavg``; the legend adds the number of
-runs, ``(n=3)``), drawn as its mean line with a band of +- one sample std over its runs, at the
+seeds left out, as fedddp.study.summary groups) each group is one series, in the summary's
+order (numbers by size), named as the summary names its row, key=value for each key's last part
+(``name=fedavg``; a baseline without a rule's own swept parameter by its rule, ``fedavg``; the
+legend adds the number of runs, ``(n=3)``), drawn as its mean line with a band of +- one sample std over its runs, at the
 rounds every run of the group has a value for. Rounds without a value (test accuracy between
 evaluations) are skipped; a run without the metric at all (or none in --rounds) is left out with
 one line on stderr.
@@ -32,19 +33,24 @@ any other format matplotlib writes. ``--x KEY`` draws against another number of 
 e.g. sim_time_s (the simulated clock: sync and async runs on one time axis); a group is then
 drawn as steps, each run's last value at or before each x any run of the group has, between the
 latest first x and the earliest last x of its runs. Needs matplotlib (``pip install -e ".[plot]"``).
+The axes are labelled in words (``round``, ``test accuracy``, ``simulated time (s)``; --xlabel and
+--ylabel replace them); against the round the ticks fall on evaluated rounds (at most 10: every
+1, 2, 5, 10, 20, ... of the evaluation interval); a title wider than the axes is wrapped.
 Exit status 2: a wrong argument, or no run with the metric.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 
 from ..errors import ConfigError, close_match
-from .summary import Run, differing_keys, find_runs, group_runs, mean_std, resolve_keys
+from .summary import OtherRule, Run, differing_keys, find_runs, group_runs, mean_std, resolve_keys, shown
 
 # Okabe and Ito's palette, distinct for colour-blind readers; yellow last (faint on white).
 OKABE_ITO = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#F0E442")
@@ -53,6 +59,11 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 HATCHES = ("//", "\\\\", "xx", "..", "++", "||", "--", "oo")
 LEGENDS = ("best", "outside", "below", "none")
 BANDS = ("hatch", "fill", "none")
+# Axis labels of metrics.jsonl's keys (docs/running.md); another key reads as its name in words.
+WORDS = {"round": "round", "test_accuracy": "test accuracy", "test_loss": "test loss", "test_mae": "test MAE",
+         "train_loss": "training loss", "sim_time_s": "simulated time (s)", "sim_round_s": "simulated round length (s)",
+         "time_s": "wall time of the round (s)", "epsilon": "privacy budget epsilon"}
+MAX_TICKS = 10
 
 
 @dataclass
@@ -71,6 +82,52 @@ def label_of(run: Run) -> str:
     label = os.path.basename(os.path.normpath(run.folder))
     name = run.config.get("algorithm.name")
     return f"{label} ({name})" if name else label
+
+
+def words(key: str) -> str:
+    """A metrics.jsonl key as an axis label: test_accuracy -> test accuracy, train_s -> train (s)."""
+    if key in WORDS:
+        return WORDS[key]
+    return (f"{key[:-2]} (s)" if key.endswith("_s") else key).replace("_", " ")
+
+
+def series_key(keys: list[str], values: tuple) -> str:
+    """A group's series name, as the summary names its row: key=value for each key's last part,
+    a baseline without a rule's own parameter by its rule (``fedavg``), blank values left out."""
+    parts = [text if isinstance(value, OtherRule) else f"{key.rsplit('.', 1)[-1]}={text}"
+             for key, value, text in zip(keys, values, shown(keys, values)) if text]
+    return ", ".join(parts) or "all runs"
+
+
+def round_ticks(rounds: list[int]) -> list[int]:
+    """Ticks on evaluated rounds: all of them when few, else those that are multiples of 1, 2,
+    5, 10, 20, ... times the evaluation interval (the rounds' common step), at most MAX_TICKS."""
+    rounds = sorted(set(rounds))
+    if len(rounds) <= MAX_TICKS:
+        return rounds
+    step = math.gcd(*(b - a for a, b in zip(rounds, rounds[1:])))
+    every = step
+    while True:
+        for factor in (1, 2, 5):
+            ticks = [r for r in rounds if r % (every * factor) == 0]
+            if ticks and len(ticks) <= MAX_TICKS:
+                return ticks
+        every *= 10
+        if every > rounds[-1]:  # no multiple gives 1 to MAX_TICKS of the rounds: every k-th of them
+            return rounds[::math.ceil(len(rounds) / MAX_TICKS)]
+
+
+def wrap_title(fig, ax, title: str) -> None:
+    """The title, wrapped to the axes' width: a long one would run off the figure."""
+    width = max(len(line) for line in title.splitlines() or [""])
+    text = ax.set_title(title)
+    for _ in range(8):  # each pass narrows in proportion to the overflow: two or three do
+        fig.draw_without_rendering()
+        wide, room = text.get_window_extent().width, ax.get_window_extent().width
+        if wide <= room or width <= 10:
+            return
+        width = max(10, min(width - 1, int(width * room / wide)))
+        text.set_text("\n".join(textwrap.fill(line, width) for line in title.splitlines()))
 
 
 def parse_rounds(text: str) -> tuple[int, int]:
@@ -131,7 +188,7 @@ def series_of(runs: list[Run], metric: str, group_by: str | None, warn,
     keys = differing_keys(kept) if group_by == "auto" else resolve_keys(group_by.split(","), kept)
     lines = []
     for values, members in group_runs(kept, keys).items():
-        key = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in zip(keys, values)) or "all runs"
+        key = series_key(keys, values)
         rounds, mean, std = group_curve(members, metric, window, x)
         if rounds:
             lines.append(Series(key, f"{key} (n={len(members)})", rounds, mean, std))
@@ -196,8 +253,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--title", default=None, help="title above the axes")
     p.add_argument("--x", default="round", help="the x axis: round, or a key of metrics.jsonl such as "
                                                 "sim_time_s (the simulated clock: sync and async runs on one axis)")
-    p.add_argument("--xlabel", default=None, help="x-axis label (default: --x)")
-    p.add_argument("--ylabel", default=None, help="y-axis label (default: the metric)")
+    p.add_argument("--xlabel", default=None, help="x-axis label (default: --x in words, e.g. round)")
+    p.add_argument("--ylabel", default=None, help="y-axis label (default: the metric in words, e.g. test accuracy)")
     p.add_argument("--figsize", default="6,4", help="WIDTH,HEIGHT in inches (default 6,4)")
     p.add_argument("--style", default=None, help="a matplotlib style name (e.g. seaborn-v0_8-paper, ggplot) "
                                                  "or style file")
@@ -237,7 +294,6 @@ def figure(args: argparse.Namespace, warn):
     import matplotlib
     import matplotlib.colors
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     window = parse_rounds(args.rounds) if args.rounds else None
     size = parse_figsize(args.figsize)
@@ -267,12 +323,10 @@ def figure(args: argparse.Namespace, warn):
                     hatch=HATCHES[i % len(HATCHES)] if args.bands == "hatch" else None, step=step)
                 handle = (band, line)  # the legend shows the band's fill and hatch under the line
             handles.append(handle)
-        if args.x == "round":
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
-        ax.set_xlabel(args.xlabel if args.xlabel is not None else args.x)
-        ax.set_ylabel(args.ylabel if args.ylabel is not None else args.metric)
-        if args.title:
-            ax.set_title(args.title)
+        if args.x == "round":  # a tick between evaluations would mark a round without a value
+            ax.set_xticks(round_ticks([r for s, _ in shown for r in s.rounds]))
+        ax.set_xlabel(args.xlabel if args.xlabel is not None else words(args.x))
+        ax.set_ylabel(args.ylabel if args.ylabel is not None else words(args.metric))
         if not args.style:
             ax.grid(alpha=0.3)
         texts = [text for _, text in shown]
@@ -288,6 +342,8 @@ def figure(args: argparse.Namespace, warn):
                 if ncols == 1 or legend.get_window_extent().width <= fig.bbox.width:
                     break
                 legend.remove()
+        if args.title:  # last: the legend's place sets the axes' width
+            wrap_title(fig, ax, args.title)
     return fig
 
 

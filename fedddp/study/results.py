@@ -195,9 +195,10 @@ def run_sweep(path: str, fields: dict, parallel: int, doc: str) -> tuple[int, fl
         if status != 0:
             return status, time.perf_counter() - start, 0
     out, _, points = sweep.plan(os.path.relpath(path), [], None)
-    pending = [p.name for p in points if p.status != "done"]
+    pending = [p for p in points if p.status != "done"]
     status = sweep.main([os.path.relpath(path), "--parallel", str(parallel)]) if pending else 0
-    finished = [n for n in pending if os.path.exists(os.path.join(out, n, "final.pt"))]
+    # by folder: a run found in a folder of an older name (fedddp.study.sweep) stays there
+    finished = [os.path.basename(p.out_dir) for p in pending if os.path.exists(os.path.join(p.out_dir, "final.pt"))]
     record_commits(out, finished, made_at)
     return status, time.perf_counter() - start, len(pending)
 
@@ -229,7 +230,7 @@ def verdict(rows: list[dict], keys: list[str], metric: str, claimed: list[dict],
         return found[0][metric]
 
     def show(cell):
-        return f"{cell[0]:.{digits}f} ± {cell[1]:.{digits}f}"
+        return summary.format_cell(cell, digits, n=False)
 
     base = [(label(b), find(b)) for b in baselines]
     lines = []
@@ -265,8 +266,8 @@ def match(rows: list[dict], keys: list[str], metric: str, claimed: dict, referen
         return found[0][metric]
 
     mine, ref = find(claimed), find(reference)
-    versus = (f"{label(claimed)} {mine[0]:.{digits}f} ± {mine[1]:.{digits}f} ~ {label(reference)} "
-              f"{ref[0]:.{digits}f} ± {ref[1]:.{digits}f}")
+    versus = (f"{label(claimed)} {summary.format_cell(mine, digits, n=False)} ~ {label(reference)} "
+              f"{summary.format_cell(ref, digits, n=False)}")
     if abs(mine[0] - ref[0]) <= max(mine[1], ref[1]):
         return f"**reproduced (matches)**: {versus}; the means differ by no more than the larger std."
     return (f"**not reproduced at this scale (differs)**: {versus}; the means differ by "
@@ -309,7 +310,7 @@ def section(path: str, fields: dict, made_at: str, data: str, doc_dir: str = "do
     made = read_commits(out)
     names = {os.path.basename(r.folder) for r in runs}
     commits = sorted({made.get(n, "unknown (made before commits were recorded)") for n in names})
-    seeds = sorted({r.config.get("run.seed") for r in runs}, key=str)
+    seeds = sorted({r.config.get("run.seed") for r in runs}, key=summary.order_key)
     lines += [f"- sweep file: `{rel}` ({len(points)} runs, {len(runs)} finished)",
               f"- runs made at commit {', '.join(commits) or 'none'}; this document at commit {made_at}",
               f"- seeds: run.seed {', '.join(map(str, seeds))} (n = {len(seeds)})",

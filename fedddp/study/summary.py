@@ -19,6 +19,13 @@ mean +- sample std (n runs) of one number per run:
                 evaluated), so runs of different speeds, sync and async, compare on one clock; a
                 run whose clock ended before T has none
 
+Rows are in the order of their values, numbers by size (eta 0.003, 0.01, 0.03, 0.1). A column
+of a rule's own parameter (algorithm.params.NAME) names the rule in the rows of runs whose rule
+has no such parameter (a baseline: ``fedavg``), or is blank there when the table has an
+algorithm.name column. The markdown table leaves out the key columns that are the same in every
+row and says their value in a line below it (csv keeps every column); a group of one run has no
+std: ``n/a`` (csv: an empty cell).
+
 A run without final.pt (unfinished) or without a value of the metric is left out with one line
 on stderr. Exit status 2 when nothing is left to summarise or an argument is wrong.
 """
@@ -110,6 +117,34 @@ def natural_key(text: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
+class OtherRule(str):
+    """The value of a rule's own parameter (algorithm.params.NAME) in a run whose rule has no such
+    parameter: that rule's name. Its runs form a group of their own per rule (a baseline next to
+    the tuned rule), named by the rule rather than by None."""
+
+
+def value_in(run: Run, key: str):
+    """The run's value of a config key (None when its config lacks it); see OtherRule."""
+    if key not in run.config and key.startswith("algorithm.params.") and "algorithm.name" in run.config:
+        return OtherRule(run.config["algorithm.name"])
+    return run.config.get(key)
+
+
+def order_key(value) -> tuple:
+    """Numbers by size (0.003 before 0.01: as text 0.01 came first), then text in natural order,
+    then absent values."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return 0, float(value), []
+    return (2, 0.0, []) if value is None else (1, 0.0, natural_key(str(value)))
+
+
+def shown(keys: list[str], values: tuple) -> list[str]:
+    """A group's values as its row shows them: an OtherRule blank when the rule's name is a column
+    of its own, an absent value blank."""
+    return ["" if value is None or isinstance(value, OtherRule) and "algorithm.name" in keys else _cell(value)
+            for value in values]
+
+
 def lower_is_better(metric: str) -> bool:
     return metric.endswith(("loss", "mae", "_s")) or "error" in metric
 
@@ -157,7 +192,8 @@ def value_of(run: Run, metric: str, at: str) -> float | None:
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1 in the denominator; 0 for a single value)."""
+    """Mean and sample standard deviation (n - 1 in the denominator; 0 for a single value, shown
+    as n/a by ``format_cell``)."""
     mean = sum(values) / len(values)
     if len(values) < 2:
         return mean, 0.0
@@ -192,11 +228,11 @@ def resolve_keys(names: list[str], runs: list[Run]) -> list[str]:
 
 
 def group_runs(runs: list[Run], keys: list[str]) -> dict[tuple, list[Run]]:
-    """Runs grouped by their values of ``keys``, groups in natural order of those values."""
+    """Runs grouped by their values of ``keys`` (``value_in``), groups in ``order_key`` order."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
-        groups.setdefault(tuple(run.config.get(k) for k in keys), []).append(run)
-    return dict(sorted(groups.items(), key=lambda item: [natural_key(str(v)) for v in item[0]]))
+        groups.setdefault(tuple(value_in(run, k) for k in keys), []).append(run)
+    return dict(sorted(groups.items(), key=lambda item: [order_key(v) for v in item[0]]))
 
 
 def usable(runs: list[Run], metrics: list[str], warn, at: str = "last") -> list[Run]:
@@ -234,6 +270,12 @@ def _cell(value) -> str:
     return str(value)
 
 
+def format_cell(cell: tuple[float, float, int], digits: int, n: bool = True) -> str:
+    """(mean, std, n) -> 'mean ± std (n)'; one run has no std: n/a."""
+    std = f"{cell[1]:.{digits}f}" if cell[2] > 1 else "n/a"
+    return f"{cell[0]:.{digits}f} ± {std}" + (f" ({cell[2]})" if n else "")
+
+
 def format_table(rows: list[dict], keys: list[str], metrics: list[str], at: str, fmt: str,
                  digits: int = 4) -> str:
     if fmt == "csv":
@@ -241,15 +283,21 @@ def format_table(rows: list[dict], keys: list[str], metrics: list[str], at: str,
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(keys + [f"{m}_{stat}" for m in metrics for stat in ("mean", "std", "n")])
         for row in rows:
-            writer.writerow([_cell(row[k]) for k in keys]
-                            + [x for m in metrics for x in (repr(row[m][0]), repr(row[m][1]), row[m][2])])
+            writer.writerow(shown(keys, tuple(row[k] for k in keys))
+                            + [x for m in metrics for x in (repr(row[m][0]), repr(row[m][1]) if row[m][2] > 1 else "",
+                                                            row[m][2])])
         return out.getvalue()
-    header = keys + [f"{m} ({at})" for m in metrics]
+    cells = [shown(keys, tuple(row[k] for k in keys)) for row in rows]
+    # a key the same in every row says nothing about the rows: one line below the table says it
+    same = [i for i, _ in enumerate(keys) if len({c[i] for c in cells}) == 1]
+    varied = [i for i in range(len(keys)) if i not in same]
+    header = [keys[i] for i in varied] + [f"{m} ({at})" for m in metrics]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        cells = [_cell(row[k]) for k in keys]
-        cells += [f"{row[m][0]:.{digits}f} ± {row[m][1]:.{digits}f} ({row[m][2]})" for m in metrics]
-        lines.append("| " + " | ".join(cells) + " |")
+    for row, texts in zip(rows, cells):
+        lines.append("| " + " | ".join([texts[i] for i in varied] + [format_cell(row[m], digits) for m in metrics])
+                     + " |")
+    if same and rows:
+        lines += ["", "Every row: " + ", ".join(f"{keys[i]} = {cells[0][i] or 'none'}" for i in same) + "."]
     return "\n".join(lines) + "\n"
 
 

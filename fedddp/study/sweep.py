@@ -14,17 +14,26 @@ key joining several keys with ``+`` varies them together, one list per value, e.
 the file is the base config of every run; ``--set key=value`` changes it for every run without
 naming the folders after it (e.g. ``--set run.device=cpu``). Each combination runs as
 ``python -m fedddp DIR/base.toml key=value ... run.out_dir=DIR/NAME`` (through torchrun with
---ranks N), NAME being its values, e.g. ``name=fedavg,seed=1``; its output goes to
-DIR/logs/NAME.log, and each invocation (time, commit, command) to DIR/logs/sweep.log. DIR is
---out, else the base config's run.out_dir.
+--ranks N), NAME being the values of the axes that have more than one, ``key-value`` joined by
+``_``, e.g. ``name-fedavg_seed-1`` (no ``:``, ``,``, ``=``, ``/`` or spaces, which Windows, scp or
+make trip over: a plugin's ``module:attr`` reads ``module.attr``; ``run`` when no axis varies);
+its output goes to DIR/logs/NAME.log, and each invocation (time, commit, command) to
+DIR/logs/sweep.log. DIR is --out, else the base config's run.out_dir.
 
 Rerunning the same sweep skips finished runs (final.pt present) and resumes the others from
 their last checkpoint (run.resume=true), so a sweep can be extended by adding values, or
-continued after a crash or a time limit. A folder that holds a run with other settings is
-refused, never overwritten. --parallel J runs J combinations at once; on a GPU machine each gets
+continued after a crash or a time limit. A combination whose folder does not exist takes over a
+run folder in DIR with its exact settings (how-to-run keys aside): one of another name, made when
+an axis had one value (so left out of the names), or before the names lost ``=`` and ``,``
+(``name=fedavg,seed=1``); one line says how many. Where leaving out a single-valued axis would put
+a run in a folder that holds another (a sweep submitted in parts: run.seed=0, then run.seed=1),
+its folder is named with every axis (``seed-1_name-fedavg``). A folder that holds a run with other
+settings is refused, never overwritten. --parallel J runs J combinations at once; on a GPU machine each gets
 its own --ranks GPUs through CUDA_VISIBLE_DEVICES. --slurm submits one submitit job array, a
 task per pending combination (each task: one rank per GPU, requeued with run.resume=true on
 preemption or time-out, as python -m fedddp.slurm does); its flags follow fedddp.slurm's.
+--dry-run lists the combinations and what would be done with each, starting nothing; with --slurm
+it also prints the array's tasks, submitit's parameters and the sbatch script, submitting nothing.
 
 SIGTERM, SIGINT (Ctrl-C) or SIGHUP is passed on to the running runs, and the sweep waits for
 them to end before it exits; rerun the same command to continue.
@@ -39,6 +48,7 @@ import argparse
 import itertools
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -69,6 +79,8 @@ class Point:
     out_dir: str
     status: str = "new"  # new | done (skipped) | resume (from its checkpoints) | restart
     cfg: config.Config | None = field(default=None, repr=False)
+    full: str = ""  # the name with every axis, single-valued ones too (``place``)
+    moved: str = ""  # why it is not in its folder ``name`` (``place``): "found" or "full"
 
 
 def override_text(value, path: str) -> str:
@@ -154,16 +166,29 @@ def short_names(keys: list[str]) -> dict[str, str]:
     return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
 
 
+def folder_part(text: str) -> str:
+    """Text safe in a folder name on every OS and in scp and make: letters, digits and . _ + -;
+    a plugin's module:attr keeps its dots (examples.my_plugin.blobs), anything else becomes _."""
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text.replace(":", "."))
+
+
+def folder_name(pairs: list[tuple[str, str]], short: dict[str, str]) -> str:
+    """``key-value`` of the pairs whose key ``short`` names, joined by ``_``; "run" for none."""
+    return "_".join(f"{folder_part(short[k])}-{folder_part(v)}" for k, v in pairs if k in short) or "run"
+
+
 def expand(axes: list[Axis], out: str) -> list[Point]:
-    """The Cartesian product of the axes, the first axis varying slowest."""
-    keys = [k for axis in axes for k in axis.keys]
-    short = short_names(keys)
+    """The Cartesian product of the axes, the first axis varying slowest; folders named by the
+    axes with more than one value."""
+    varied = [axis for axis in axes if len(axis.values) > 1]
+    short = short_names([k for axis in varied for k in axis.keys])
+    every = short_names([k for axis in axes for k in axis.keys])
     points = []
     for combo in itertools.product(*(axis.values for axis in axes)):
         pairs = [(k, v) for axis, values in zip(axes, combo) for k, v in zip(axis.keys, values)]
-        name = ",".join(f"{short[k]}={v}" for k, v in pairs) or "run"
-        name = "".join("_" if c in "/\\ \t\n" else c for c in name)
-        points.append(Point(name, [f"{k}={v}" for k, v in pairs], os.path.join(out, name)))
+        name = folder_name(pairs, short)
+        points.append(Point(name, [f"{k}={v}" for k, v in pairs], os.path.join(out, name),
+                            full=folder_name(pairs, every)))
     names = [p.name for p in points]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -188,17 +213,59 @@ def write_base(raw: dict, path: str, source: str) -> None:
     os.replace(tmp, path)
 
 
-def settings_mismatch(folder: str, cfg: config.Config) -> list[str]:
-    """Keys whose value in the run already in ``folder`` differs from ``cfg``'s (how-to-run keys
-    left out)."""
+def settings_in(folder: str) -> dict | None:
+    """The flat config.toml of the run in ``folder``; None without a readable one."""
     try:
         with open(os.path.join(folder, "config.toml"), "rb") as fh:
-            there = flatten(tomllib.load(fh))
+            return flatten(tomllib.load(fh))
     except (OSError, tomllib.TOMLDecodeError):
-        return []
-    here = flatten(tomllib.loads(config.dumps(cfg)))
+        return None
+
+
+def settings_of(cfg: config.Config) -> dict:
+    """``cfg`` as the flat config.toml its run writes."""
+    return flatten(tomllib.loads(config.dumps(cfg)))
+
+
+def differences(there: dict, here: dict) -> list[str]:
+    """Keys whose value in a run's flat config ``there`` differs from the flat config ``here``
+    (``settings_of``; how-to-run keys left out)."""
     return [f"{k}: {there[k]!r} there, {here[k]!r} here" for k in here
             if k in there and k not in HOW_KEYS and not config.same_setting(k, there[k], here[k])]
+
+
+def settings_mismatch(folder: str, cfg: config.Config) -> list[str]:
+    """Keys whose value in the run already in ``folder`` differs from ``cfg``'s."""
+    there = settings_in(folder)
+    return [] if there is None else differences(there, settings_of(cfg))
+
+
+def place(points: list[Point], out: str) -> None:
+    """Each combination's folder, so that a rerun finds its run wherever an earlier sweep put it.
+    Its folder ``name`` when that is new or holds its settings; else, where ``name`` holds
+    another run (the name left out an axis that then had another single value: a sweep
+    submitted in parts, run.seed=0 then run.seed=1), its ``full`` name, with every axis. A
+    combination whose folder does not exist takes the run folder in ``out`` that no combination
+    names and that holds its settings: one of an older name (``name=fedavg,seed=1``) or from when
+    an axis had one value, which it then skips or resumes there. Nothing is moved or written."""
+    named = {os.path.join(out, n) for p in points for n in (p.name, p.full)}
+    others = {}
+    for entry in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        folder = os.path.join(out, entry)
+        if folder not in named and (there := settings_in(folder)) is not None:
+            others[folder] = there
+    for point in points:
+        here = settings_of(point.cfg)
+        there = settings_in(point.out_dir)
+        if there is not None and differences(there, here) and point.full != point.name:
+            point.name, point.moved = point.full, "full"
+            point.out_dir = os.path.join(out, point.full)
+        if others and not os.path.exists(point.out_dir):
+            found = next((f for f, there in others.items() if not differences(there, here)), None)
+            if found is not None:
+                del others[found]
+                point.name, point.out_dir, point.moved = os.path.basename(found), found, "found"
+        point.cfg.run.out_dir = point.out_dir
 
 
 def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] = ()) -> tuple[str, dict, list[Point]]:
@@ -226,6 +293,7 @@ def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] =
                 point.cfg = checks.load(base, point.overrides + [f"run.out_dir={point.out_dir}"])
             except ConfigError as exc:
                 raise ConfigError(f"combination {point.name}: {str(exc).replace(base, config_path)}") from None
+    place(points, out)
     for point in points:
         if os.path.exists(os.path.join(point.out_dir, "final.pt")):
             point.status = "done"
@@ -380,11 +448,9 @@ def record_command(out: str, argv: list[str]) -> None:
         fh.write(f"{when} commit {code_version()}: python -m fedddp.study.sweep {shlex.join(argv)}\n")
 
 
-def run_slurm(slurm_args, base: str, points: list[Point], ranks: int) -> list:
+def run_slurm(slurm_args, base: str, points: list[Point]) -> list:
     """One submitit job array, a task per pending combination (fedddp.slurm's executor and
     requeueing Trainer task); returns the jobs."""
-    if slurm_args.tasks_per_node is None and ranks > 1:
-        slurm_args.tasks_per_node = ranks
     executor = slurm.make_executor(slurm_args)
     todo = [p for p in points if p.status != "done"]
     with executor.batch():
@@ -403,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="folder of the sweep's runs (default: the config's run.out_dir)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override of every run, not part of the folder names (e.g. run.device=cpu)")
-    parser.add_argument("--dry-run", action="store_true", help="list the combinations and what would be done")
+    parser.add_argument("--dry-run", action="store_true", help="list the combinations and what would be done (with --slurm: the sbatch script too)")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks per run; > 1 starts each through torchrun")
     parser.add_argument("--slurm", action="store_true",
@@ -417,21 +483,33 @@ def main(argv: list[str] | None = None) -> int:
             # axes written after a launcher flag land among the launcher's positionals
             slurm_args = slurm.parse_args([args.config] + rest, prog="python -m fedddp.study.sweep --slurm")
             args.axes += slurm_args.overrides
+            if slurm_args.tasks_per_node is None and args.ranks > 1:  # a task per rank
+                slurm_args.tasks_per_node = args.ranks
         if args.parallel < 1 or args.ranks < 1:
             raise ConfigError("--parallel and --ranks: must be >= 1")
         out, raw, points = plan(args.config, args.axes, args.out, args.set)
+        if found := [p.name for p in points if p.moved == "found"]:
+            print(f"fedddp.study.sweep: {len(found)} combination(s) continue in existing run folders of other "
+                  f"names that hold their settings (e.g. {found[0]}: an older naming, or an axis that had one "
+                  "value)", file=sys.stderr)
+        if full := [p.name for p in points if p.moved == "full"]:
+            print(f"fedddp.study.sweep: {len(full)} combination(s) named with every axis (e.g. {full[0]}): the "
+                  "name without their single-valued axes holds another run", file=sys.stderr)
         if args.dry_run:
             for point in points:
                 print(f"{point.status:7s} {point.out_dir}  {' '.join(point.overrides)}")
             pending = sum(p.status != "done" for p in points)
             print(f"fedddp.study.sweep: {len(points)} combination(s), {pending} to run, "
                   f"{len(points) - pending} done (dry run: nothing started)")
+            if args.slurm and pending:
+                base = os.path.join(out, "base.toml")
+                print(slurm.dry_run(slurm_args, [run_argv(base, p) for p in points if p.status != "done"]))
             return 0
         base = os.path.join(out, "base.toml")
         write_base(raw, base, args.config)
         record_command(out, argv if argv is not None else sys.argv[1:])
         if args.slurm:
-            run_slurm(slurm_args, base, points, args.ranks)
+            run_slurm(slurm_args, base, points)
             return 0
         return run_local(base, out, points, args.parallel, args.ranks)
     except UserError as exc:
