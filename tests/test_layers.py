@@ -22,15 +22,16 @@ LAYERS = [
     ["data", "models", "metrics", "participation", "asynchrony"],
     ["strategies"],                         # server rules, their kernels
     ["client"],                             # local training: rules, optimizers, side by side
+    ["client_eval"],                        # client evaluation: held-out cohorts, personalization steps
     ["algorithms"],                         # pairs of rules, the run's model, cross-rule checks
     ["checks"],                             # loading a config: plugins registered, every check
     ["checkpoint"],
     ["logs"],
     ["sharded", "warmup"],                  # the sharded server; the first calls made before round 1
     ["round"],                              # the round loop
-    ["api"],
+    ["api", "usage"],                       # fedddp.run's path; what python -m fedddp says about itself
     ["__main__"],
-    ["slurm"],                              # submitit launcher over the command line
+    ["slurm", "launch"],                    # launchers over the command line: submitit; torchrun's agent
     ["study"],                              # study tools: sweeps, summaries, results, plots
     ["sweep", "summary", "results", "plot"],  # the study tools' old names, for one release
 ]
