@@ -136,7 +136,20 @@ def pytest_runtest_protocol(item, nextitem):
                 fh.write(f"{item.nodeid}\tmarks={marks}\tstarted={len(_started)}\truns={_experiments[0]}\n")
 
 
+def _warm_matplotlib() -> None:
+    """matplotlib builds its font cache on first import (running ``fc-list``), once a machine:
+    built here, before the guard, so that no plotting test starts that process on a fresh one."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:  # the plot extra is optional: its tests skip
+        pass
+
+
 def pytest_configure(config):
+    _warm_matplotlib()
     if os.environ.get("FEDDDP_TEST_SPAWN_LOG"):  # count the experiments each test runs here too
         import fedddp.round
 
