@@ -127,12 +127,17 @@ def _check_dp(cfg, server: str, params: dict) -> list[str]:
                       f"so it must lie between the clients that train ({cohort:g} a round) and data.num_clients "
                       f"= {n}; got {noise_cohort}")
     elif params.get("dp_adaptive_quantile", 0) > 0 and params.get("dp_noise", 0) > 0:
-        sigma_b = params["dp_adaptive_count_noise"] or (noise_cohort or cohort) / 20
-        if not 2 * sigma_b > params["dp_noise"]:
+        z, m = params["dp_noise"], noise_cohort or cohort
+        sigma_b = params["dp_adaptive_count_noise"] or m / 20
+        if not 2 * sigma_b > z:
+            # the value to set: sigma_b = z costs the update 1.155x its noise multiplier
+            # ((z^-2 - (2 z)^-2)^-1/2); or a cohort whose m / 20 exceeds z / 2
             errors.append(f"algorithm.params.dp_adaptive_count_noise: adaptive clipping's count noise sigma_b = "
-                          f"{sigma_b:g} (0: cohort / 20) must exceed dp_noise / 2 = {params['dp_noise'] / 2:g}, "
-                          "else no update noise keeps the total privacy at dp_noise; raise it (Andrew et al. "
-                          "use cohort / 20) or the cohort")
+                          f"{sigma_b:g} (0: the cohort {m:g} / 20) must exceed dp_noise / 2 = {z / 2:g}, else no "
+                          "update noise keeps the total privacy at dp_noise; set "
+                          f"algorithm.params.dp_adaptive_count_noise={z:g} (the update's noise multiplier then "
+                          f"{z * (1 - 0.25) ** -0.5:.3g} instead of {z:g}), or a cohort (run.clients_per_round or "
+                          f"algorithm.params.dp_noise_cohort) above {10 * z:g}")
     return errors
 
 

@@ -432,3 +432,17 @@ def test_progress_line_shows_the_last_epsilon(monkeypatch):
     progress.update(2, 1, {"test_accuracy": 0.6, "train_loss": 0.9, "epsilon": None})
     lines = err.getvalue().splitlines()
     assert "| eps 2.25 |" in lines[0] and "| eps 2.25 |" in lines[1]
+
+
+def test_adaptive_clipping_at_the_defaults_says_the_value_to_set():
+    """dp_adaptive_quantile with the defaults (sigma_b = cohort / 20 = z / 2) is refused with the
+    value to set, and that value is accepted."""
+    import re
+
+    from fedrun import QUICKSTART
+
+    base = ["algorithm.name=dpfedavg", "algorithm.params.dp_clip=1", "algorithm.params.dp_adaptive_quantile=0.5"]
+    with pytest.raises(ConfigError) as refused:
+        checks.load(QUICKSTART, base)
+    fix = re.search(r"set (algorithm\.params\.dp_adaptive_count_noise=\S+) ", str(refused.value)).group(1)
+    assert checks.load(QUICKSTART, base + [fix]).algorithm.params["dp_adaptive_count_noise"] == 1.0
