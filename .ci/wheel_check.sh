@@ -62,11 +62,17 @@ data = sorted(n for n in in_wheel if n.startswith("fedddp/") and not n.endswith(
 print(f"wheel_check: {len(in_wheel)} files in the wheel; package data: {', '.join(data)}")
 EOF
 
-# 4. a venv that sees this Python's packages but takes fedddp from the wheel. Without pip of its
-# own (this Python's pip, visible through --system-site-packages, installs into the venv);
-# --ignore-installed: an editable or other install of fedddp outside the venv is left alone.
-"$python" -m venv --system-site-packages --without-pip "$work/venv" || fail "venv"
+# 4. a venv that sees this Python's packages but takes fedddp from the wheel. This Python may
+# itself be a venv (.ci/run's), whose packages --system-site-packages would not show (it shows
+# the base interpreter's), so a .pth file in the new venv names this Python's site folders: they
+# come after the venv's own, and their .pth files (an editable fedddp) are not run. Without pip
+# of its own (this Python's pip, visible that way, installs into the venv); --ignore-installed:
+# an editable or other install of fedddp outside the venv is left alone.
+"$python" -m venv --without-pip "$work/venv" || fail "venv"
 venv_python=$work/venv/bin/python
+venv_site=$("$venv_python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") || fail "venv site"
+"$python" -c "import site, sys; print('\n'.join(p for p in sys.path if p.endswith('-packages')))" \
+    >"$venv_site/_outer_site.pth" || fail "venv site"
 "$venv_python" -m pip install --quiet --disable-pip-version-check --no-deps --no-index \
     --ignore-installed --no-warn-script-location "$wheel" >"$work/install.log" 2>&1 ||
     { tail -n 20 "$work/install.log" >&2; fail "install of the wheel into the venv"; }
