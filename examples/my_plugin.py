@@ -1,4 +1,4 @@
-"""A plugin module: its own data, model, server rule and local rule (docs/extending.md).
+"""A plugin module: its own data, model, server rule, local rule and callback (docs/extending.md).
 
     python -m fedddp examples/my_plugin.toml
     torchrun --standalone --nproc_per_node=2 -m fedddp examples/my_plugin.toml
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedddp.callbacks import Callback
 from fedddp.client.rules import LocalRule
 from fedddp.params import positive
 from fedddp.strategies import Strategy
@@ -91,3 +92,24 @@ class ClippedSGD(LocalRule):
         # step.norm: the client's L2 norm over every parameter (side by side: each client's)
         scale = (step.hp.params["clip"] / (step.norm(step.grads) + 1e-6)).clamp(max=1.0)
         return [g * step.per_client(scale, g) for g in step.grads]
+
+
+class EarlyStop(Callback):
+    """A callback (run.callbacks = ["examples.my_plugin:EarlyStop"]): stop the run once the test
+    metric has not improved for ``patience`` evaluations in a row (early stopping). Called on
+    rank 0 only; returning True from on_round_end ends the run after that round, with final.pt."""
+
+    patience = 3
+
+    def __init__(self):
+        self.best, self.waited = None, 0
+
+    def on_round_end(self, round, row, model):
+        accuracy = row.get("test_accuracy")
+        if accuracy is None:  # a round without evaluation (run.eval_every)
+            return False
+        if self.best is None or accuracy > self.best:
+            self.best, self.waited = accuracy, 0
+        else:
+            self.waited += 1
+        return self.waited >= self.patience

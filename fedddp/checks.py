@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import algorithms, asynchrony, config, participation, plugins, strategies
+from . import algorithms, asynchrony, callbacks, config, participation, plugins, strategies
 from .client import batched, rules
 from .errors import ConfigError
 from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES, WEIGHTING, resolve, weighting_of
@@ -42,7 +42,7 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
 def validate(cfg: config.Config) -> list[str]:
     """Every impossible value or combination, each naming its dotted path: the plugins first
     (their rules are checked with the built-ins'), then the fields, then what spans modules."""
-    errors = register_plugins(cfg)
+    errors = register_plugins(cfg) + callbacks.check(cfg.run.callbacks)
     # a key whose import failed is said once: what the later checks say of it (an "unknown
     # algorithm" that is only not imported) follows from that failure and would mislead
     failed = {e.split(":", 1)[0] for e in errors}

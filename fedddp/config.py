@@ -90,6 +90,15 @@ class RunConfig:
     tensorboard: bool = opt(False, "Also write TensorBoard event files under out_dir/tensorboard (rank 0): "
                                    "every number of metrics.jsonl as a scalar per round. Needs the "
                                    "optional extra: pip install 'fedddp[tensorboard]'.")
+    callbacks: str = opt("", "Callbacks called on rank 0 at the run's events (round start and end, evaluation, "
+                             "checkpoint): comma-separated module:attr import paths (a TOML list of them is "
+                             "taken too), each a class (built with no arguments) or object with the hooks of "
+                             "fedddp.callbacks.Callback. on_round_end gets the metrics.jsonl row and a read-only "
+                             "view of the model, and may stop the run after its round (early stopping: "
+                             "final.pt is written). Built in: fedddp.callbacks:WandbLogger and "
+                             "fedddp.callbacks:MlflowLogger (extras fedddp[wandb], fedddp[mlflow]). A "
+                             "callback never changes the run's bits; what it raises ends the run with one "
+                             "line, exit 7 (docs/running.md, \"Callbacks and loggers\").")
     client_state: str = opt("memory", "Where per-client persistent state (SCAFFOLD's c_k, MOON's previous "
                                       "model, FedSMOO's duals) lives on its owner rank: memory (RAM or the "
                                       "device), or mmap (files under out_dir/client_state, rows read per "
@@ -169,7 +178,7 @@ RESUME_MAY_CHANGE = frozenset({
     "run.rounds", "run.eval_every", "run.ckpt_every", "run.progress", "run.tensorboard", "run.stop_after",
     "run.resume", "run.overwrite", "run.out_dir", "run.client_state", "run.collective_timeout_s", "data.root",
     "data.download", "data.path", "run.aggregation", "run.client_eval_every", "run.client_eval_clients",
-    "run.client_eval_steps"})
+    "run.client_eval_steps", "run.callbacks"})
 
 
 @dataclass
@@ -450,6 +459,8 @@ def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None,
                 hint = f", did you mean {section}.{near}?" if near else ""
                 errors.append(f"{path}: unknown key{hint} (valid: {', '.join(types)})")
                 continue
+            if path == "run.callbacks" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+                value = ",".join(value)  # a TOML list of import paths, as the comma-separated string
             coerced = _coerce(value, types[key], path, errors, text)
             if coerced is not None:
                 setattr(target, key, coerced)

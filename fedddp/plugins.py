@@ -28,7 +28,7 @@ def is_path(name: str) -> bool:
     return ":" in name
 
 
-def _import(path: str, key: str):
+def _import(path: str, key: str, what: str | None = None):
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise ConfigError(f"{key}: {path!r} is not an import path; write module:attr, e.g. "
@@ -46,7 +46,7 @@ def _import(path: str, key: str):
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{key}: module {module_name!r} ({getattr(module, '__file__', '?')}) has no "
-                              f"attribute {attr!r}; {key} needs {KEYS[key]}")
+                              f"attribute {attr!r}; {key} needs {what or KEYS[key]}")
         obj = getattr(obj, part)
     return module, obj
 
@@ -66,10 +66,11 @@ def calling(key: str, name: str):
                           "FEDDDP_TRACEBACK=1 prints its traceback)") from exc
 
 
-def get(path: str, key: str):
-    """The object at ``path``, imported once per process."""
+def get(path: str, key: str, what: str | None = None):
+    """The object at ``path``, imported once per process; ``what``: what the attribute must be,
+    for a key not in KEYS (run.callbacks)."""
     if path not in _objects:
-        _objects[path] = _import(path, key)
+        _objects[path] = _import(path, key, what)
     return _objects[path][1]
 
 

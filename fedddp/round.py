@@ -8,6 +8,7 @@ metrics, checkpoints' server part and final.pt.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import asynchrony, checkpoint, client_eval, config, logs, outdir, participation, strategies, tasks, warmup
+from . import (asynchrony, callbacks, checkpoint, client_eval, config, logs, outdir, participation, strategies,
+               tasks, warmup)
 from .algorithms import build_model, describe as describe_algorithm, sampling_of
 from .client import ClientContext, check_one_sample_batches, planned_steps, train_client
 from .client import parallel, precision, rules as local_rules
@@ -440,6 +442,8 @@ def _run(cfg: config.Config, comm, resume_round: int) -> dict:
     last_round = run.start_round - 1
     for round_idx in range(run.start_round, rc.rounds + 1):
         clock = {"start": time.perf_counter()}
+        if book is not None:
+            book.callbacks.round_start(round_idx)
         plan = plan_round(cfg, round_idx, run.data.num_samples, run.cost_K, comm.rank, comm.world_size, run.balanced)
         rows_MF = _report_rows(run, comm, plan.rows_per_rank)
         train_clients(run, comm, plan, rows_MF)
@@ -463,10 +467,15 @@ def close_round(run: Setup, comm, book: Book | None, round_idx: int, clock: dict
                 reported: list[int], train_s_R: list[float], aggregated: tuple) -> bool:
     """evaluate -> checkpoint -> log, the end every round shares (sync or async): the checkpoint's
     files, then the round's rows, then the checkpoint completes. ``aggregated``: aggregate's
-    (diagnostics, train loss, stacks). True when run.stop_after stops the run here."""
+    (diagnostics, train loss, stacks). True when run.stop_after, or a callback (run.callbacks), stops
+    the run here."""
     rc = run.cfg.run
     test_loss, test_metric = evaluate_round(run, comm, round_idx)
     clients_evaluated = client_eval.evaluate_round(run, comm, round_idx)  # run.client_eval_every; None: off
+    if book is not None and (test_loss is not None or clients_evaluated is not None):
+        book.callbacks.evaluate(round_idx, ({"test_loss": test_loss, run.task.metric_key: test_metric}
+                                            if test_loss is not None else {})
+                                | (clients_evaluated.metrics if clients_evaluated is not None else {}))
     clock["evaluate"] = time.perf_counter()
     stopping = bool(rc.stop_after) and round_idx == rc.stop_after
     written = checkpoint_files(run, comm, round_idx, stopping)
@@ -475,7 +484,22 @@ def close_round(run: Setup, comm, book: Book | None, round_idx: int, clock: dict
         book.write_round(plan, reported, train_s_R, clock, *aggregated, test_loss, test_metric,
                          sync=written is not None, clients_evaluated=clients_evaluated)
     complete_checkpoint(run, comm, round_idx, written)
+    if book is not None and written is not None:
+        book.callbacks.checkpoint(round_idx, run.last_ckpt)
+    if callbacks.paths(rc.callbacks):
+        stopping = _callbacks_stop(run, comm, book, round_idx) or stopping
     return stopping
+
+
+def _callbacks_stop(run: Setup, comm, book: Book | None, round_idx: int) -> bool:
+    """run.callbacks' on_round_end on rank 0, then its verdict to every rank: stop after this
+    round (a callback returned True), or end with the first failure of a callback this round
+    (one line, exit 7). One broadcast a round, only in runs with callbacks."""
+    error, stop = None, False
+    if book is not None:
+        stop = book.callbacks.round_end(round_idx, book.last_row, run.global_P, run.layout)
+        error = book.callbacks.error
+    return bool(_agree_with_rank_zero(comm, error, int(stop)))
 
 
 def _round_seconds(run: Setup, plan: RoundPlan) -> float:
@@ -504,6 +528,8 @@ def _run_async(run: Setup, comm, book: Book | None) -> int:
     last_round = run.start_round - 1
     for round_idx in range(run.start_round, rc.rounds + 1):
         clock, before = {"start": time.perf_counter()}, run.clock
+        if book is not None:
+            book.callbacks.round_start(round_idx)
         run.versions[before.version] = run.global_P.clone()  # clients may start from it in this update
         arrivals, run.clock = asynchrony.next_update(before, sched)
         plan = plan_update(run, comm, round_idx, arrivals)
@@ -948,6 +974,10 @@ class Book:
             self.logs = logs.RunLogs(rc.out_dir, run.start_round, rc.tensorboard)
         self.progress = Progress(rc.rounds, rc.progress, run.task.metric_key)
         self.last_row: dict | None = None  # the last round's metrics.jsonl row (the closing line's epsilon)
+        # run.callbacks, on rank 0: a failure here is said at round 1's end, as every callback's
+        self.callbacks = callbacks.Runner(rc.callbacks)
+        self.callbacks.run_start({"out_dir": rc.out_dir, "start_round": run.start_round, "rounds": rc.rounds,
+                                  "config": dataclasses.asdict(run.cfg)})
         # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
         # out; the line says which form of the rules produced this run's bits.
         form = strategies.kernels.describe(comm.device, rule=run.strategy.name)
@@ -992,21 +1022,22 @@ class Book:
     def finish(self, last_round: int, final: dict) -> None:
         """final.pt after the last round, or the line that says how to continue a stopped run."""
         rc, last_ckpt = self.run.cfg.run, self.run.last_ckpt
-        if last_round == rc.rounds:
+        if last_round == rc.rounds or self.callbacks.stop:  # a callback's stop ends the run as the last round
             with outdir.disk_full_is_one_line("final.pt", rc.out_dir, last_ckpt):
                 checkpoint.atomic_save(final, os.path.join(rc.out_dir, "final.pt"))
             self.logs.close()
             if rc.progress:
-                print(self.closing_line(), file=sys.stderr, flush=True)
+                newline = "\n" if self.progress.tty and last_round != rc.rounds else ""  # the progress line's end
+                print(newline + self.closing_line(last_round), file=sys.stderr, flush=True)
             return
         if last_round == rc.stop_after:
             print(f"fedddp: stopped after round {last_round} (run.stop_after); continue from {last_ckpt} with "
                   "run.resume=true", file=sys.stderr, flush=True)
         self.logs.close()
 
-    def closing_line(self) -> str:
+    def closing_line(self, last_round: int | None = None) -> str:
         """What a finished run leaves: the folder, its files and (DP-FedAvg) the final epsilon."""
-        out_dir = self.run.cfg.run.out_dir
+        out_dir, rounds = self.run.cfg.run.out_dir, self.run.cfg.run.rounds
         names = [n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in
                  ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "client_eval.jsonl", "final.pt",
                   "checkpoints", "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
@@ -1014,13 +1045,21 @@ class Book:
         cohort = f" (for a noise cohort of {params['dp_noise_cohort']} a round)" \
             if params.get("dp_noise_cohort") else ""
         dp = f"; epsilon {eps:.4g} at delta {params['dp_delta']:g}{cohort}" if eps is not None else ""
-        return f"fedddp: finished {self.run.cfg.run.rounds} rounds; {out_dir} holds {', '.join(names)}{dp}"
+        done = f"finished {rounds} rounds" if last_round in (None, rounds) else \
+            f"stopped after round {last_round} of {rounds} (a callback of run.callbacks)"
+        return f"fedddp: {done}; {out_dir} holds {', '.join(names)}{dp}"
 
 
 def _finish(run: Setup, comm, book: Book | None, last_round: int) -> dict:
     final = run.layout.state_dict(run.global_P)  # every rank holds the broadcast model (fedddp.run's result)
     if book is not None:
         book.finish(last_round, final)
+    if callbacks.paths(run.cfg.run.callbacks):  # on_run_end on rank 0; a failure ends every rank alike
+        error = None
+        if book is not None:
+            book.callbacks.run_end(last_round)
+            error = book.callbacks.error
+        _agree_with_rank_zero(comm, error)
     comm.barrier()
     run.client_states.close()
     return {"last_round": last_round, "global_P": run.global_P, "state_dict": final}

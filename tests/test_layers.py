@@ -17,7 +17,7 @@ PACKAGE = os.path.join(REPO, "fedddp")
 # or below, never a cycle; docs/architecture.md shows the same table.
 LAYERS = [
     ["errors", "registry", "params", "atomic", "flat", "blocks", "sampling", "tasks", "env"],  # ground: names and helpers
-    ["plugins", "comm", "outdir"],          # importing user modules, collectives, the run folder
+    ["plugins", "comm", "outdir", "callbacks"],  # importing user modules, collectives, the run folder, rank 0's hooks
     ["config"],                             # the typed config tree and its own fields' checks
     ["data", "models", "metrics", "participation", "asynchrony"],
     ["strategies"],                         # server rules, their kernels
