@@ -24,7 +24,7 @@ from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError
 from fedddp.round import run
-from fedddp.strategies import dpfedavg, kernels
+from fedddp.strategies import accounting, dpfedavg, kernels
 
 from test_strategies import hp_of
 from fedrun import QUICKSTART, assert_same_state, final_state, metrics, run_fedddp_each, run_here, selected
@@ -312,14 +312,14 @@ def test_epsilon_accounts_for_sampling_without_replacement(noise, num_sampled, n
     under replace-one (sensitivity 2C), at least the Poisson figure for the same (z, K, N, T)
     (2x or more on each of these), and for the quickstart's 40 rounds 113.1, where the Poisson
     accountant said 16.5."""
-    got = dpfedavg.epsilon(noise, num_sampled, num_clients, steps, 1e-5)
+    got = accounting.epsilon(noise, num_sampled, num_clients, steps, 1e-5)
     assert got == pytest.approx(accountant_epsilon(noise, num_sampled, num_clients, steps, 1e-5,
                                                    "without_replacement"), rel=1e-12, abs=0)
     assert got >= 2 * accountant_epsilon(noise, num_sampled, num_clients, steps, 1e-5, "poisson")
     if (noise, num_sampled, num_clients, steps) == (1.0, 10, 30, 40):
         assert got == pytest.approx(113.13, abs=0.01)
-    assert dpfedavg.epsilon(noise, num_sampled, num_clients, 0, 1e-5) == 0.0
-    assert dpfedavg.epsilon(0.0, num_sampled, num_clients, steps, 1e-5) == math.inf
+    assert accounting.epsilon(noise, num_sampled, num_clients, 0, 1e-5) == 0.0
+    assert accounting.epsilon(0.0, num_sampled, num_clients, steps, 1e-5) == math.inf
 
 
 def test_checkpoint_from_before_the_new_keys_still_resumes():

@@ -26,7 +26,7 @@ from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError
 from fedddp.round import Progress, run
 from fedddp.sampling import sample_poisson
-from fedddp.strategies import dpfedavg
+from fedddp.strategies import accounting, dpfedavg
 
 from test_strategies import hp_of
 from fedrun import assert_same_state, final_state, metrics, run_fedddp, run_here
@@ -90,15 +90,15 @@ def direct_poisson(noise, rate, steps, delta, accountant):
 @pytest.mark.parametrize("noise,rate,steps,delta", [(1.0, 1 / 3, 40, 1e-5), (0.8, 0.1, 7, 1e-4),
                                                     (2.0, 0.01, 300, 1e-6), (1.2, 1.0, 3, 1e-5)])
 def test_poisson_epsilon_is_the_accountants(noise, rate, steps, delta, accountant):
-    got = dpfedavg.poisson_epsilon(noise, rate, steps, delta, accountant)
+    got = accounting.poisson_epsilon(noise, rate, steps, delta, accountant)
     assert got == pytest.approx(direct_poisson(noise, rate, steps, delta, accountant), rel=1e-6, abs=0)
-    assert dpfedavg.poisson_epsilon(noise, rate, 0, delta, accountant) == 0.0
-    assert dpfedavg.poisson_epsilon(0.0, rate, steps, delta, accountant) == math.inf
+    assert accounting.poisson_epsilon(noise, rate, 0, delta, accountant) == 0.0
+    assert accounting.poisson_epsilon(0.0, rate, steps, delta, accountant) == math.inf
 
 
 def test_pld_is_tighter_than_rdp():
     """The reason PLD is the default: for the quickstart's q = 1/3, z = 1, 40 rounds."""
-    pld, rdp = (dpfedavg.poisson_epsilon(1.0, 1 / 3, 40, 1e-5, a) for a in ("pld", "rdp"))
+    pld, rdp = (accounting.poisson_epsilon(1.0, 1 / 3, 40, 1e-5, a) for a in ("pld", "rdp"))
     assert pld < rdp
 
 
@@ -119,7 +119,7 @@ def test_pld_accounting_of_a_small_noise_stays_bounded(monkeypatch, noise, steps
     coarsened so that one step's PLD has at most PLD_STEP_POINTS points and the composition at
     most PLD_POINTS (checked before anything is built, so the old grid fails at once instead of
     running for minutes); the epsilon is still finite and, PLD being tighter, below RDP's."""
-    step_bound, composed_bound = 1 << 17, 1 << 20  # dpfedavg.PLD_STEP_POINTS, PLD_POINTS
+    step_bound, composed_bound = 1 << 17, 1 << 20  # accounting.PLD_STEP_POINTS, PLD_POINTS
     module = dp_accounting.pld.privacy_loss_distribution
     build, read = module.from_gaussian_mechanism, module.PrivacyLossDistribution.get_epsilon_for_delta
     composed = []
@@ -135,20 +135,20 @@ def test_pld_accounting_of_a_small_noise_stays_bounded(monkeypatch, noise, steps
 
     monkeypatch.setattr(module, "from_gaussian_mechanism", checked_build)
     monkeypatch.setattr(module.PrivacyLossDistribution, "get_epsilon_for_delta", checked_read)
-    pld = dpfedavg.poisson_epsilon(noise, 1 / 3, steps, 1e-5, "pld")
+    pld = accounting.poisson_epsilon(noise, 1 / 3, steps, 1e-5, "pld")
     assert composed and max(composed) <= composed_bound
-    assert (dpfedavg.PLD_STEP_POINTS, dpfedavg.PLD_POINTS) == (step_bound, composed_bound)
-    assert dpfedavg.pld_interval(noise, 1 / 3, steps) > dpfedavg.PLD_INTERVAL
-    assert 0 < pld < dpfedavg.poisson_epsilon(noise, 1 / 3, steps, 1e-5, "rdp") < math.inf
+    assert (accounting.PLD_STEP_POINTS, accounting.PLD_POINTS) == (step_bound, composed_bound)
+    assert accounting.pld_interval(noise, 1 / 3, steps) > accounting.PLD_INTERVAL
+    assert 0 < pld < accounting.poisson_epsilon(noise, 1 / 3, steps, 1e-5, "rdp") < math.inf
 
 
 def test_a_coarser_pld_grid_keeps_the_fine_epsilon():
     """z = 0.3 (373,475 points a step at 1e-4) is composed on 4e-4: its epsilon is the default
     grid's (dp-accounting's PLDAccountant) to a millionth, and both are upper bounds (pessimistic
     connect-the-dots on any grid); the quickstart's z = 1 keeps the default grid."""
-    assert dpfedavg.pld_interval(0.3, 1 / 3, 8) == 4 * dpfedavg.PLD_INTERVAL
-    assert dpfedavg.pld_interval(1.0, 1 / 3, 40) == dpfedavg.PLD_INTERVAL
-    assert dpfedavg.poisson_epsilon(0.3, 1 / 3, 8, 1e-5) == pytest.approx(
+    assert accounting.pld_interval(0.3, 1 / 3, 8) == 4 * accounting.PLD_INTERVAL
+    assert accounting.pld_interval(1.0, 1 / 3, 40) == accounting.PLD_INTERVAL
+    assert accounting.poisson_epsilon(0.3, 1 / 3, 8, 1e-5) == pytest.approx(
         direct_poisson(0.3, 1 / 3, 8, 1e-5, "pld"), rel=1e-6)
 
 
@@ -186,11 +186,11 @@ def test_fixed_sampling_is_accounted_without_replacement():
               "sampling_rate": torch.tensor(0.25, dtype=torch.float64)}
     state = {"dp_steps": torch.tensor(9.0, dtype=torch.float64)}
     hp = dp_hp(dp_clip=1.0, dp_noise=1.3, dp_accountant="rdp")
-    assert dpfedavg.spent(state, static, hp) == dpfedavg.epsilon(1.3, 3, 12, 9, 1e-5)
-    assert dpfedavg.spent(state, static, dp_hp(dp_clip=1.0, dp_noise=1.3, dp_accountant="rdp",
-                                               dp_noise_cohort=6)) == dpfedavg.epsilon(1.3, 6, 12, 9, 1e-5)
+    assert accounting.spent(state, static, hp) == accounting.epsilon(1.3, 3, 12, 9, 1e-5)
+    assert accounting.spent(state, static, dp_hp(dp_clip=1.0, dp_noise=1.3, dp_accountant="rdp",
+                                                 dp_noise_cohort=6)) == accounting.epsilon(1.3, 6, 12, 9, 1e-5)
     with pytest.raises(ValueError):
-        dpfedavg.spent(state, static, dp_hp(dp_clip=1.0))  # pld cannot (the config refuses it first)
+        accounting.spent(state, static, dp_hp(dp_clip=1.0))  # pld cannot (the config refuses it first)
 
 
 # -- 3. the mechanism -----------------------------------------------------------------------------

@@ -35,8 +35,12 @@ Static entries, fixed for the run and not client reports, added when a rule name
                                    vector run per block, then over blocks in block order
                                    (Span.total; absent: one block)            (CGW, DP-FedAvg)
 
-``state`` is a dict of tensors owned by rank 0 and checkpointed; ``init_state(global_P, hp)``
-makes the round-1 state. ``hp`` is the run's ``AlgorithmConfig``; a rule's own hyperparameters
+``state`` is a dict of tensors, checkpointed; ``init_state(global_P, hp)`` makes the round-1
+state. With run.aggregation = gather (the default) rank 0 holds it and runs the rule, and the
+client-visible entries (``client_visible``, e.g. SCAFFOLD's c) are broadcast to every rank; with
+run.aggregation = sharded (fedddp/sharded.py) every rank holds the state: a [P] entry clients do
+not see as its own range only (checkpointed one file per rank), a client-visible one whole, and
+the scalars, the same on every rank. ``hp`` is the run's ``AlgorithmConfig``; a rule's own hyperparameters
 are ``hp.params`` (``[algorithm.params]``), declared with their defaults in ``params`` and
 checked by ``check_params``. ``diagnostics`` is a dict of
 tensors: scalars, which go to metrics.jsonl, and per-client rows named by their shape (``_K``,

@@ -82,7 +82,8 @@ def _no_state(global_P: torch.Tensor, hp) -> State:
 @dataclass(frozen=True)
 class Strategy:
     """A server rule: ``aggregate(global_P, stacks, state, hp) -> (new_global_P, new_state,
-    diagnostics)`` once a round on rank 0, with what it declares it needs. ``stacks`` holds the
+    diagnostics)`` once a round on rank 0 (run.aggregation = gather; with sharded, ``aggregate_span``
+    on every rank over its range), with what it declares it needs. ``stacks`` holds the
     report fields named in ``needs`` (beyond params_KP, num_samples_K and train_loss_K, which every
     rule gets), ``state`` the dict of tensors ``init_state(global_P, hp)`` made at round 1 (then
     what the last call returned; checkpointed), ``hp`` the run's AlgorithmConfig (its own values:
@@ -94,7 +95,8 @@ class Strategy:
     needs: frozenset[str] = frozenset()
     init_state: Callable[[torch.Tensor, object], State] = _no_state
     # state entries every rank needs before local training (e.g. SCAFFOLD's server control c):
-    # broadcast from rank 0 with the global model each round.
+    # broadcast from rank 0 with the global model each round (run.aggregation = gather), or
+    # all-gathered from the ranks' ranges with it (sharded), so every rank holds them whole.
     client_visible: tuple[str, ...] = ()
     # report fields needed under given hyper-parameters, when that depends on them (``needs``
     # is then the widest set, for documentation)
