@@ -95,8 +95,6 @@ class ReportLayout:
     def pack_group(self, rows_MF: torch.Tensor, rows: list[int], reports: list[dict]) -> None:
         """``pack_scalars`` for a group of clients (their rows of ``rows_MF``): one host-to-device
         copy for the group, not one a client (each a wait on a GPU)."""
-        if len(rows) == 1:
-            return self.pack_scalars(rows_MF[rows[0]], reports[0])
         values_nS = torch.stack([self._host_scalars(report) for report in reports])
         rows_MF[torch.tensor(rows, device=rows_MF.device), self.scalars] = values_nS.to(rows_MF.device)
 
