@@ -10,10 +10,10 @@ received, and the aggregation's time, on W ranks.
 For each world size W it starts one torchrun of W ranks (this script with --worker); each rank
 fills its M = K / W report rows of the model's flat vector (ResNet-18 with CIFAR stem and
 buffers: P = 11.2M; FedGMA's rows carry params and last-step gradient, F = 2 P + scalars) with
-synthetic updates, then for every K and mode runs two rounds of the round loop's own stages,
-fedddp.round.gather_reports, aggregate and broadcast_model, on that Setup's fields: gathered
-(rank 0 gathers [K, F], runs the rule, broadcasts P) or sharded (fedddp.sharded: columns
-exchanged point to point, the rule on each rank's range, ranges all-gathered). Columns:
+synthetic updates, then for every K and mode runs two rounds of the round loop's own server
+stages, exchange, aggregate and publish (fedddp.server): gathered (rank 0 gathers [K, F], runs
+the rule, broadcasts P) or sharded (fedddp.sharded: columns exchanged point to point, the rule
+on each rank's range, ranges all-gathered). Columns:
 
   peak MiB     the most resident memory the aggregation added on a rank over the two rounds
                (Linux VmHWM, reset before the first, less the resident memory just before it:
@@ -26,7 +26,7 @@ exchanged point to point, the rule on each rank's range, ranges all-gathered). C
   written MiB  rank 0's bytes written through system calls in the second round (/proc/self/io
                wchar: gloo's socket sends), a check of its "sent"
   round s      the second round's time from the trained rows to the new model on every rank
-               (the slowest rank), gather_reports + aggregate + broadcast_model, and rank 0's
+               (the slowest rank), exchange + aggregate + publish, and rank 0's
                three phases: gather (sharded: the exchange), aggregate, broadcast (the
                all-gather)
 
@@ -43,7 +43,6 @@ import os
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
@@ -84,33 +83,32 @@ def _model_layout(name: str):
 
 
 def _setup(args, comm, layout, K: int, mode: str):
-    """A round's Setup fields for the round loop's stages, and its plan: every client's row of
+    """The run's server in ``mode`` with the round's plan and report rows: every client's row of
     synthetic updates, K clients over the ranks as the round loop lays them out."""
     import torch
 
-    from fedddp import algorithms, config, round as rounds, strategies
+    from fedddp import algorithms, config, strategies
+    from fedddp.plan import RoundPlan
+    from fedddp.prepare import server_of, static_stacks
+    from fedddp.report import ReportLayout
     from fedddp.sampling import assign_clients, layout_rows
-    from fedddp.sharded import ShardedServer
     cfg = config.Config()
     cfg.algorithm.name, cfg.run.aggregation, cfg.run.aggregation_block = args.rule, mode, args.block
     cfg.algorithm = algorithms.resolved(cfg.algorithm)  # the rule's own parameters at their defaults
     strategy = strategies.get(args.rule)
     needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
-    report = rounds.ReportLayout(needs, layout.numel, len(layout.conv_entries()))
+    report = ReportLayout(needs, layout.numel, len(layout.conv_entries()))
     device = comm.device
     global_P = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1)).to(device)
     reporting = list(range(K))
     per_rank = assign_clients(reporting, lambda c: 1, comm.world_size, True)
     rows_per_rank, row_order = layout_rows(reporting, comm.world_size, per_rank)
-    plan = rounds.RoundPlan(1, reporting, reporting, per_rank, [[c] for c in per_rank[comm.rank]], rows_per_rank,
-                            row_order, {c: 1 for c in reporting}, {c: 1 for c in reporting}, 0)
-    run = SimpleNamespace(cfg=cfg, strategy=strategy, report=report, sharded=None, last_ckpt=None,
-                          static=rounds._static_stacks(needs, cfg, layout, device), global_P=global_P,
-                          state=strategy.init_state(global_P, cfg.algorithm), rows_buffer=torch.empty(0, 0))
-    if mode == "sharded":
-        run.sharded = ShardedServer(comm, report, layout.numel, args.block, strategy, run.static, device)
-        run.state = run.sharded.adopt(run.state)
-    rows_MF = rounds._report_rows(run, comm, rows_per_rank)
+    plan = RoundPlan(1, reporting, reporting, per_rank, [[c] for c in per_rank[comm.rank]], rows_per_rank,
+                     row_order, {c: 1 for c in reporting}, {c: 1 for c in reporting}, 0)
+    server = server_of(comm, mode, args.block, strategy, report, static_stacks(needs, cfg, layout, device),
+                       cfg.algorithm, False, (cfg.train.lr, cfg.algorithm.server_lr), global_P,
+                       strategy.init_state(global_P, cfg.algorithm))
+    rows_MF = server.rows(rows_per_rank)
     noise_P = torch.randn(layout.numel, generator=torch.Generator().manual_seed(2)).to(device)
     for i, cid in enumerate(per_rank[comm.rank]):
         for stack, sl in report.slices.items():
@@ -118,14 +116,13 @@ def _setup(args, comm, layout, K: int, mode: str):
                 shifted = noise_P.roll(7919 * (cid + 1) + 104729 * (stack != "params_KP"))
                 rows_MF[i, sl] = global_P + 0.01 * shifted if stack == "params_KP" else shifted
         rows_MF[i, report.scalars] = 1.0
-    return run, plan, rows_MF
+    return server, plan, rows_MF
 
 
 def _measure(args, comm, layout, K: int, mode: str) -> dict:
     import torch
 
-    from fedddp import round as rounds
-    run, plan, rows_MF = _setup(args, comm, layout, K, mode)
+    server, plan, rows_MF = _setup(args, comm, layout, K, mode)
     cuda = comm.device.type == "cuda"
     gc.collect()
     comm.barrier()
@@ -142,11 +139,11 @@ def _measure(args, comm, layout, K: int, mode: str) -> dict:
         traffic, io_before = dict(comm.traffic), _io_bytes()
         comm.barrier()
         t = [clock()]
-        rows, reported, _ = rounds.gather_reports(run, comm, plan, rows_MF)
+        rows, reported, _ = server.exchange(plan, rows_MF)
         t.append(clock())
-        rounds.aggregate(run, comm, 1, rows, reported)
+        server.aggregate(1, rows, reported, True, None)
         t.append(clock())
-        rounds.broadcast_model(run, comm)
+        server.publish()
         t.append(clock())
         io_bytes = _io_bytes() - io_before
         del rows
@@ -154,7 +151,7 @@ def _measure(args, comm, layout, K: int, mode: str) -> dict:
     out = {"peak": peak, "rss": _status("VmHWM"), "seconds": t[3] - t[0], "io": io_bytes,
            "sent": comm.traffic["sent"] - traffic["sent"], "received": comm.traffic["received"] - traffic["received"],
            "gather": t[1] - t[0], "aggregate": t[2] - t[1], "broadcast": t[3] - t[2]}
-    del run, rows_MF
+    del server, rows_MF
     gc.collect()
     every = torch.tensor([[out[k] for k in ("peak", "rss", "seconds", "io", "sent", "received", "gather",
                                             "aggregate", "broadcast")]],

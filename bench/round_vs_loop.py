@@ -138,7 +138,7 @@ def ops_per_step(cfg, clients: list, device: torch.device) -> tuple[dict, dict, 
     from fedddp.client import ClientContext, rules, train_client
     from fedddp.data import ClientData
     from fedddp.flat import FlatLayout
-    from fedddp.round import ReportLayout
+    from fedddp.report import ReportLayout
 
     x, y = clients[0]
     steps = -(-len(y) // cfg.train.batch_size)

@@ -37,7 +37,8 @@ from .algorithms import build_model
 from .api import execute
 from .data import build
 from .outdir import check_out_dir
-from .round import refuse_before_data, refuse_before_round_one
+from .prepare import refuse_before_round_one
+from .resume import refuse_before_data
 from .errors import DataError, PluginError, StalledError, UserError
 
 

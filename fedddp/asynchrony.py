@@ -23,7 +23,7 @@ again until that update (it reports at most once per update, as in FedBuff, so a
 clients are distinct); the slots it and the others free are filled after the update, from the
 new version. The schedule depends only on the clock, never on training, so every rank computes it
 alike; the round loop then trains each update's arrivals from the versions they started from
-(``round._run_async``). With B <= N (checked) the run never stalls: while the buffer is not full,
+(``plan.FedBuffUpdates``). With B <= N (checked) the run never stalls: while the buffer is not full,
 some client is either idle or training.
 """
 

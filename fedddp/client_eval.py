@@ -106,7 +106,7 @@ class Evaluator:
 
 
 def evaluate_round(run, comm, round_idx: int) -> Result | None:
-    """The round's client evaluation on every rank (``run``: fedddp.round.Setup). None when
+    """The round's client evaluation on every rank (``run``: fedddp.prepare.Run). None when
     run.client_eval_every = 0 or on ranks other than 0; on rank 0 a Result, its keys null on a
     round without client evaluation."""
     cfg = run.cfg
@@ -131,8 +131,6 @@ def evaluate_round(run, comm, round_idx: int) -> Result | None:
     rows_per_rank, row_order = layout_rows(clients, comm.world_size, per_rank)
     rows_MF = torch.zeros(rows_per_rank, F, dtype=torch.float64, device=comm.device)
     row_of = {c: i for i, c in enumerate(per_rank[comm.rank])}
-    if run.client_eval is None:
-        run.client_eval = Evaluator(cfg)
     device = run.global_P.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for group in groups:

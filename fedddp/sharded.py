@@ -36,42 +36,9 @@ import torch
 
 from .blocks import block_range, column_ranges, num_blocks
 from .flat import runs_within
+from .report import RangeRow
+from .server import Server, per_rank_seconds
 from .strategies import Span, Strategy
-
-# As round.ALIGN: every [P] field of a range row starts on a multiple of 16 floats and a row is a
-# multiple of 16 floats wide, so the fused Triton kernels take 4-float vector loads here too.
-ALIGN = 16
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
-class RangeRow:
-    """The row of one rank's range: [its columns of each [P] field | the report's scalars and
-    eff_rank_L], each field from a multiple of ALIGN floats. ``pieces`` pairs the slices of a full
-    report row (round.ReportLayout) with the slices of this row that they fill."""
-
-    def __init__(self, report, start: int, stop: int):
-        self.slices: dict[str, slice] = {}
-        self.pieces: list[tuple[slice, slice]] = []
-        offset, n = 0, stop - start
-        for stack, sl in report.slices.items():
-            if stack.endswith("_KP"):
-                self.slices[stack] = slice(offset, offset + n)
-                if n:
-                    self.pieces.append((slice(sl.start + start, sl.start + stop), slice(offset, offset + n)))
-                offset = _aligned(offset + n)
-        tail = report.scalars
-        for stack, sl in report.slices.items():
-            if not stack.endswith("_KP"):
-                self.slices[stack] = slice(offset + sl.start - tail.start, offset + sl.stop - tail.start)
-        self.pieces.append((tail, slice(offset, offset + tail.stop - tail.start)))
-        self.width = _aligned(offset + tail.stop - tail.start)
-
-    def unpack(self, rows_KX: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {stack: rows_KX[:, sl][:, 0] if stack.endswith("_K") else rows_KX[:, sl]
-                for stack, sl in self.slices.items()}
 
 
 def cut_static(static: dict[str, torch.Tensor], start: int, stop: int) -> dict[str, torch.Tensor]:
@@ -85,38 +52,38 @@ def cut_static(static: dict[str, torch.Tensor], start: int, stop: int) -> dict[s
     return cut
 
 
-class ShardedServer:
+class ShardedServer(Server):
     """This rank's part of the sharded server: its range, the rows of every rank's range, the
     receive buffer (kept across rounds: fresh buffers cost page faults) and the Span its rule
     works on."""
 
-    def __init__(self, comm, report, numel: int, width: int, strategy: Strategy, static: dict, device):
-        self.comm, self.numel, self.width = comm, numel, width
+    def __init__(self, comm, strategy: Strategy, report, static: dict, hp, every_round: bool, lrs, global_P, state,
+                 block: int):
+        super().__init__(comm, strategy, report, static, hp, every_round, lrs, global_P, state)
+        numel = global_P.numel()
+        self.numel, self.width = numel, block
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.ranges = column_ranges(numel, width, comm.world_size)
+        self.ranges = column_ranges(numel, block, comm.world_size)
         self.start, self.stop = self.ranges[comm.rank]
-        self.rows = [RangeRow(report, c0, c1) for c0, c1 in self.ranges]
-        self.mine = self.rows[comm.rank]
+        self.checkpoint_columns = (self.start, self.stop)
+        self.range_rows = [RangeRow(report, c0, c1) for c0, c1 in self.ranges]
+        self.mine = self.range_rows[comm.rank]
         self.visible = tuple(strategy.client_visible)
-        self.static = cut_static(static, self.start, self.stop)
-        self.device = torch.device(device)
+        self.range_static = cut_static(static, self.start, self.stop)
+        self.device = global_P.device
         self.buffer = torch.empty(0, self.mine.width, device=self.device)
-        self.span = Span(self.start, self.stop, numel, width, self.device, self._gather_blocks, self.gather_vector)
+        self.span = Span(self.start, self.stop, numel, block, self.device, self._gather_blocks, self.gather_vector)
         self.pending: tuple | None = None   # (new range, new state) between aggregate and publish
-        self.ranged: set[str] = set()       # the state entries kept as this rank's range (adopt)
-
-    def describe(self) -> str:
-        return (f"sharded over {self.world_size} rank(s), {num_blocks(self.numel, self.width)} block(s) of "
-                f"{self.width} columns")
-
-    # -- state ------------------------------------------------------------------------------------
-
-    def adopt(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The round-1 state (init_state's, whole) as this rank keeps it; it also says which
-        entries live as ranges: the [P] ones that clients do not see."""
+        # the state entries kept as this rank's range: the [P] ones that clients do not see
         self.ranged = {k for k, v in state.items()
                        if k not in self.visible and v.dim() == 1 and v.shape[0] == self.numel}
-        return self.cut_state(state)
+        self.state = self.cut_state(state)
+
+    def describe(self, form: str) -> str:
+        return (f"sharded over {self.world_size} rank(s), {num_blocks(self.numel, self.width)} block(s) of "
+                f"{self.width} columns; {form}")
+
+    # -- state ------------------------------------------------------------------------------------
 
     def cut_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A state as this rank keeps it: each ranged entry that is whole (init_state's, a gathered
@@ -125,17 +92,30 @@ class ShardedServer:
         return {k: v[self.start:self.stop].clone() if k in self.ranged and v.shape[0] == self.numel else v
                 for k, v in state.items()}
 
-    def checkpoint_parts(self, state: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    def restore(self, global_P: torch.Tensor, state: dict) -> None:
+        self.global_P.copy_(global_P)
+        self.state = self.cut_state(state)
+
+    def checkpoint_parts(self) -> tuple[dict, dict]:
         """(the entries rank 0 saves in server.pt, this rank's shard: its range of the others)."""
+        state = self.state
         shard = {"start": self.start, "stop": self.stop, "numel": self.numel,
                  "state": {k: state[k].cpu() for k in sorted(self.ranged)}}
         return {k: v for k, v in state.items() if k not in self.ranged}, shard
 
     # -- the round ------------------------------------------------------------------------------
 
-    def exchange(self, plan, rows_MF: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Every reported client's row cut to this rank's range, in client-id order: ([K, X], the
-        reported clients). Every rank sends the pieces of its own rows to their ranks."""
+    def exchange(self, plan, rows_MF: torch.Tensor):
+        """Every reported client's row cut to this rank's range, in client-id order, on every rank:
+        ([K, X], the reported clients, on rank 0 each rank's training seconds, else None)."""
+        rows_KX, reported = self._exchange(plan, rows_MF)
+        if not self.comm.is_main:
+            return rows_KX, reported, None
+        train_time_K = self.mine.unpack(rows_KX)["train_time_K"]  # stragglers' 0 s left out
+        return rows_KX, reported, per_rank_seconds(train_time_K, reported, plan.per_rank)
+
+    def _exchange(self, plan, rows_MF: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Every rank sends the pieces of its own rows to their ranks."""
         reported = [c for c in plan.reporting if not plan.straggles(c)]
         position = {c: i for i, c in enumerate(reported)}
         if self.world_size == 1:  # the rows are this rank's already: as the gathered path takes them
@@ -154,7 +134,7 @@ class ShardedServer:
                 if src != self.rank:
                     recvs += [(src, rows_KX[position[cid], piece]) for _, piece in self.mine.pieces]
                     continue
-                for dst, row in enumerate(self.rows):
+                for dst, row in enumerate(self.range_rows):
                     for full, piece in row.pieces:
                         if dst == self.rank:
                             rows_KX[position[cid], piece].copy_(rows_MF[i, full])
@@ -163,29 +143,40 @@ class ShardedServer:
         self.comm.exchange(sends, recvs)
         return rows_KX, reported
 
-    def aggregate(self, strategy: Strategy, global_P: torch.Tensor, rows_KX: torch.Tensor, state: dict, hp):
-        """The rule on this rank's range: (its stacks, the new state, diagnostics); the new range
-        (and the state's client-visible ranges) wait in ``pending`` for ``publish``. Client-visible
-        entries reach the rule cut to the range."""
-        stacks = self.mine.unpack(rows_KX) | self.static
-        view = {k: v[self.start:self.stop] if k in self.visible and v.shape[0] == self.numel else v
-                for k, v in state.items()}
-        new_range, new_state, diagnostics = strategy.aggregate_span(global_P[self.start:self.stop], stacks, view, hp,
-                                                                    self.span)
-        self.pending = (new_range, new_state)
-        return stacks, new_state, diagnostics
+    def aggregates_here(self) -> bool:
+        return True  # every rank, on its range
 
-    def publish(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The pending ranges all-gathered: (the new [P] model, the new state, client-visible
-        entries whole) on every rank."""
+    def _apply(self, rows_KX: torch.Tensor) -> tuple[dict, dict]:
+        """The rule on this rank's range: (its stacks, diagnostics); the new range (and the
+        state's client-visible ranges) wait in ``pending`` for ``publish``. Client-visible
+        entries reach the rule cut to the range."""
+        stacks = self.mine.unpack(rows_KX) | self.range_static
+        view = {k: v[self.start:self.stop] if k in self.visible and v.shape[0] == self.numel else v
+                for k, v in self.state.items()}
+        new_range, self.state, diagnostics = self.strategy.aggregate_span(self.global_P[self.start:self.stop], stacks,
+                                                                          view, self.hp, self.span)
+        self.pending = (new_range, self.state)
+        return stacks, diagnostics
+
+    def _failures_and_finite(self, error) -> tuple[bool, bool]:
+        """Every rank ran the rule on its range: one all-reduce says whether any failed, and
+        whether any range is not finite."""
+        finite = self.pending is None or bool(torch.isfinite(self.pending[0]).all())
+        flags = torch.tensor([float(error is not None), float(not finite)], dtype=torch.float64,
+                             device=self.comm.device)
+        self.comm.all_reduce_sum_(flags)
+        return flags[0].item() > 0, flags[1].item() == 0
+
+    def publish(self) -> None:
+        """The pending ranges all-gathered: the new [P] model and the new state, client-visible
+        entries whole, on every rank (a round without reports has none)."""
+        if self.pending is None:
+            return
         new_range, state = self.pending
         self.pending = None
         grow = [k for k in self.visible if state[k].shape[0] != self.numel]
         wholes = self._all_gather([new_range] + [state[k] for k in grow])
-        return wholes[0], state | dict(zip(grow, wholes[1:]))
-
-    def range_finite(self) -> bool:
-        return self.pending is None or bool(torch.isfinite(self.pending[0]).all())
+        self.global_P, self.state = wholes[0], state | dict(zip(grow, wholes[1:]))
 
     # -- collectives over the ranges --------------------------------------------------------------
 

@@ -25,10 +25,8 @@ import time
 
 import torch
 
-from . import strategies
-
 # Where the server rule warms up: where its fused form compiles on first use (Triton on CUDA;
-# the CPU's C kernels are built when the start line is written, fedddp.round.Book).
+# the CPU's C kernels are built when the start line is written, fedddp.book.Book).
 SERVER_DEVICES = ("cuda",)
 
 
@@ -38,7 +36,7 @@ def needed(cfg, device) -> bool:
 
 
 def warm_up(run, comm) -> str:
-    """The warm-up of a run (fedddp.round.Setup) on this rank; words for the start line, or ""."""
+    """The warm-up of a run (fedddp.prepare.Run) on this rank; words for the start line, or ""."""
     cfg, device = run.cfg, comm.device
     if not needed(cfg, device):
         return ""
@@ -81,14 +79,6 @@ def _local(run, comm) -> None:
 
 
 def _server(run, comm) -> None:
-    """The rule on a made-up stack: every report zero but one sample a client."""
-    if not comm.is_main or comm.device.type not in SERVER_DEVICES or run.sharded is not None \
-            or run.strategy.name not in strategies.kernels.RULES:
-        return
-    K = run.cfg.num_sampled()  # a round's reports (fewer where some drop out or straggle)
-    rows = 1 if K == 1 else 16 if K % 16 == 0 else 2  # Triton's specialisations of K
-    rows_KF = torch.zeros(rows, run.report.width, device=comm.device)
-    stacks = run.report.unpack(rows_KF) | run.static
-    stacks["num_samples_K"].fill_(1.0)
-    hp = run.cfg.algorithm
-    run.strategy.aggregate(run.global_P.clone(), stacks, run.strategy.init_state(run.global_P.clone(), hp), hp)
+    """The server rule once on made-up rows, where its fused form compiles on first use."""
+    if comm.device.type in SERVER_DEVICES:
+        run.server.warm_up(run.cfg.num_sampled())  # a round's reports (fewer where some drop out or straggle)

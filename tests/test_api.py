@@ -16,7 +16,7 @@ import torch.distributed as dist
 import fedddp
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
-from fedddp.round import _RankZeroRefused
+from fedddp.verdict import RankZeroRefused
 from fedrun import QUICKSTART, REPO, assert_same_state, final_state, free_port, metrics, run_fedddp
 
 SMALL = ["run.rounds=3", "run.ckpt_every=0", "run.progress=false"]
@@ -107,12 +107,12 @@ def test_mistakes_raise_their_error_not_system_exit(tmp_path):
         "DivergenceError", "DiskFullError", "StalledError"}
 
 
-@pytest.mark.parametrize("status, raised", [(2, fedddp.ConfigError), (4, fedddp.DivergenceError), (1, _RankZeroRefused)])
+@pytest.mark.parametrize("status, raised", [(2, fedddp.ConfigError), (4, fedddp.DivergenceError), (1, RankZeroRefused)])
 def test_rank_zero_verdict_is_its_class_on_the_other_ranks(monkeypatch, status, raised):
     """Guards ``except fedddp.ConfigError`` on every rank: a rank that learns only rank 0's exit
     status raises that status's class, and status 1 (rank 0's bug) left a StopIteration."""
     def refused(*args, **kwargs):
-        raise _RankZeroRefused(status)
+        raise RankZeroRefused(status)
 
     monkeypatch.setattr("fedddp.api.execute", refused)
     with pytest.raises(raised, match=f"rank 0 stopped the run \\(exit status {status}\\)") as info:

@@ -371,6 +371,6 @@ def test_async_same_bits_on_one_and_two_ranks(tmp_path):
      "clock, a server update every 4 arrivals, staleness weight (1 + tau)^-0.5"),
 ])
 def test_the_start_line_says_who_trains_when(overrides, words):
-    from fedddp import round as round_module
+    from fedddp import plan
     cfg = checks.load(os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.toml"), overrides)
-    assert round_module._schedule_words(cfg) == words
+    assert plan.describe(cfg) == words

@@ -17,7 +17,7 @@ PACKAGE = os.path.join(REPO, "fedddp")
 # or below, never a cycle; docs/architecture.md shows the same table.
 LAYERS = [
     ["errors", "registry", "params", "atomic", "flat", "blocks", "sampling", "tasks", "env"],  # ground: names and helpers
-    ["plugins", "comm", "outdir", "callbacks"],  # importing user modules, collectives, the run folder, rank 0's hooks
+    ["plugins", "comm", "verdict", "outdir", "callbacks"],  # user modules, collectives and the ranks' verdicts, the run folder, rank 0's hooks
     ["config"],                             # the typed config tree and its own fields' checks
     ["data", "models", "metrics", "participation", "asynchrony"],
     ["strategies"],                         # server rules, their kernels
@@ -27,7 +27,10 @@ LAYERS = [
     ["checks"],                             # loading a config: plugins registered, every check
     ["checkpoint"],
     ["logs"],
+    ["report", "plan", "resume"],           # the report row; who trains when (the schedules); where a run starts
+    ["server", "book"],                     # the server interface and its gathered form; rank 0's book
     ["sharded", "warmup"],                  # the sharded server; the first calls made before round 1
+    ["prepare"],                            # a run's parts, built once before round 1
     ["round"],                              # the round loop
     ["api", "usage"],                       # fedddp.run's path; what python -m fedddp says about itself
     ["__main__"],

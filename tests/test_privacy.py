@@ -24,7 +24,8 @@ from fedddp import checkpoint, checks, config, strategies
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError
-from fedddp.round import Progress, run
+from fedddp.book import Progress
+from fedddp.round import run
 from fedddp.sampling import sample_poisson
 from fedddp.strategies import accounting, dpfedavg
 

@@ -1,4 +1,4 @@
-"""The packed report row (fedddp.round.ReportLayout) and the round-vs-loop bench's code path."""
+"""The packed report row (fedddp.report.ReportLayout) and the round-vs-loop bench's code path."""
 
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from fedddp.round import ALIGN, ALWAYS_PACKED, SCALAR_FIELDS, VECTOR_FIELDS, ReportLayout
+from fedddp.report import ALIGN, ALWAYS_PACKED, SCALAR_FIELDS, VECTOR_FIELDS, ReportLayout
 from fedrun import REPO
 
 ALL_VECTORS = frozenset({"params_KP"} | {stack for stack, _ in VECTOR_FIELDS})

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedddp import checks, config, round as round_mod
+from fedddp import checks, config, prepare as prepare_mod, round as round_mod
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 
@@ -16,14 +16,14 @@ from fedrun import QUICKSTART, make_mnist_like
 def run_recording_data(tmp_path, monkeypatch, overrides):
     """One in-process run; returns (what build_data made, the final global vector)."""
     made = []
-    real_build = round_mod.build_data
+    real_build = prepare_mod.build_data
 
     def recording_build(cfg, seed, owned):
         data = real_build(cfg, seed, owned)
         made.append(data)
         return data
 
-    monkeypatch.setattr(round_mod, "build_data", recording_build)
+    monkeypatch.setattr(prepare_mod, "build_data", recording_build)
     cfg = checks.load(QUICKSTART, ["run.rounds=2", "run.progress=false", "run.ckpt_every=0",
                                    f"run.out_dir={tmp_path / '_'.join(overrides)}"] + overrides)
     result = round_mod.run(cfg, Comm(ProcessEnv(0, 1, 0, "127.0.0.1", 29500, "single"), "cpu"))

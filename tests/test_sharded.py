@@ -23,7 +23,8 @@ import torch
 from fedddp import blocks, checkpoint, strategies
 from fedddp.config import AlgorithmConfig
 from fedddp.flat import runs_R3, runs_within
-from fedddp.sharded import ALIGN, RangeRow, cut_static
+from fedddp.report import ALIGN, RangeRow
+from fedddp.sharded import cut_static
 from fedddp.strategies import Span, kernels
 from fedrun import QUICKSTART, REPO, assert_same_state, final_state, metrics, run_fedddp, run_fedddp_each, run_here
 from test_strategies import hp_of
@@ -66,8 +67,7 @@ def test_runs_within_cut_and_counted_from_the_start():
 
 
 def test_range_rows_align_and_carry_the_scalars():
-    from fedddp.round import ALIGN as ROUND_ALIGN, ReportLayout
-    assert ALIGN == ROUND_ALIGN
+    from fedddp.report import ReportLayout
     report = ReportLayout(frozenset({"params_KP", "last_grad_KP", "num_samples_K", "train_loss_K", "eff_rank_KL"}),
                           P, LAYERS)
     whole = RangeRow(report, 0, P)   # one rank: the report's own row, taken as it is

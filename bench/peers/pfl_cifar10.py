@@ -88,7 +88,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 import fedddp  # noqa: E402
-from fedddp import round as fedddp_round  # noqa: E402
+from fedddp import book as fedddp_book  # noqa: E402
 from bench.peers import workloads  # noqa: E402
 
 
@@ -171,14 +171,14 @@ def run_fedddp(w: Workload, args, device: torch.device, parallel: int, folder: s
         "algorithm": {"name": "fedavg", "weighting": w.weighting},
     }
     marks = []
-    write_round = fedddp_round.Book.write_round
+    write_round = fedddp_book.Book.write_round
 
     def timed_write_round(self, *a, **k):
         write_round(self, *a, **k)
         sync(device)
         marks.append(time.perf_counter())
 
-    fedddp_round.Book.write_round = timed_write_round
+    fedddp_book.Book.write_round = timed_write_round
     try:
         sync(device)
         start = time.perf_counter()
@@ -186,7 +186,7 @@ def run_fedddp(w: Workload, args, device: torch.device, parallel: int, folder: s
         sync(device)
         whole = time.perf_counter() - start
     finally:
-        fedddp_round.Book.write_round = write_round
+        fedddp_book.Book.write_round = write_round
     rows = result.metrics
     round_s = [rows[0]["time_s"]] + [b - a for a, b in zip(marks, marks[1:])]
     if len(round_s) > 1:  # the evaluation after the last round: pfl's twin is its one before round 1

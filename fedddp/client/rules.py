@@ -23,7 +23,7 @@ the tensors of L clients stacked on a first dimension). Its parts, each called b
   end(model, ctx, num_steps, lr, out) once per client, after its last step, ``model`` holding the
                                      trained parameters: update ctx.state and write the report
                                      fields the rule produces into ``out`` (views into the gather
-                                     buffer, keys as in fedddp.round.VECTOR_FIELDS;
+                                     buffer, keys as in fedddp.report.VECTOR_FIELDS;
                                      out["params_P"] already holds the trained model); ``lr`` is the
                                      mean learning rate of the steps taken
 Rules hold no state across clients: everything persistent lives in ctx.state, which the round

@@ -1,0 +1,266 @@
+"""What a run builds once, before round 1 (``prepare``): data, model, flat layout, rules, the
+trainer, the server and the schedule; on a resume the checkpoint's model, state and clock.
+
+``Run`` holds these parts and does not change; what changes round by round lives in the parts
+themselves: the model and server state in ``Run.server``, the simulated clock in
+``Run.schedule``, the last complete checkpoint in ``Run.checkpoints``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import asynchrony, checkpoint, client_eval, config, strategies, tasks, warmup
+from .algorithms import build_model, sampling_of
+from .client import check_one_sample_batches
+from .client import parallel, precision, rules as local_rules
+from .client.batched import BatchedTrainer, try_side_by_side
+from .client.state import open_store as open_client_states
+from .client.trainers import OneAfterAnother, SideBySide, trainer_of
+from .data import ClientData, LazyClients, build as build_data
+from .data.build import BUILT_WHOLE
+from .errors import ConfigError, DataError
+from .flat import FlatLayout
+from .plan import FedBuffUpdates, SyncRounds, plan_round, schedule_of
+from .registry import resolve
+from .report import ReportLayout
+from .sampling import expected_cost, owned_clients
+from .server import GatheredServer, Server
+from .sharded import ShardedServer
+from .verdict import agree_on_failure
+
+
+@dataclass
+class Checkpoints:
+    """run.out_dir/checkpoints and the last complete checkpoint's folder (None: none yet)."""
+
+    root: str
+    last: str | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """The parts of a run, built once by ``prepare``."""
+
+    cfg: config.Config
+    data: object                  # fedddp.data.Data
+    task: tasks.Task
+    model: torch.nn.Module
+    layout: FlatLayout
+    strategy: strategies.Strategy
+    rule: object                  # the local rule
+    trainer: OneAfterAnother | SideBySide
+    report: ReportLayout
+    client_states: object         # client.state store of the clients this rank owns
+    balanced: bool                # any rank may train any client (else each trains its own)
+    cost_K: list[int]             # each client's expected cost, for assigning clients to ranks
+    server: Server
+    schedule: SyncRounds | FedBuffUpdates
+    checkpoints: Checkpoints
+    start_round: int = 1
+    clients_note: str = ""        # the start line's words on how clients train
+    client_eval: client_eval.Evaluator | None = None  # run.client_eval_every > 0
+
+    @property
+    def global_P(self) -> torch.Tensor:
+        return self.server.global_P
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.server.state
+
+
+def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
+    """The run's parts on this rank, the model broadcast from rank 0; config.toml and the logs
+    are rank 0's book (book.py)."""
+    rc = cfg.run
+    rc.sampling = sampling_of(cfg)  # auto resolved (checks.load has done it for a loaded config)
+    torch.set_num_threads(rc.num_threads)
+    # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
+    torch.set_default_dtype(torch.float32)
+    device = comm.device
+    local_name, server_name = resolve(cfg.algorithm)
+    strategy, rule = strategies.get(server_name), local_rules.get(local_name)
+    needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
+    # Each round's clients are balanced over ranks by cost, so any rank may train any client
+    # (per-client state travels from its owner rank for the round); only data sets built whole,
+    # whose clients exist on their owner alone, train there (docs/architecture.md, "Which rank
+    # trains a client").
+    balanced = cfg.data.name not in BUILT_WHOLE
+    owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
+    ids = range(cfg.data.num_clients) if balanced else owned
+    data = _load_data(cfg, comm, list(ids) if balanced else owned)
+
+    # the model and flat vectors: the seeded init is identical on every rank
+    torch.manual_seed(rc.seed)
+    model = build_model(cfg, data.input_shape, data.num_classes, data.task).to(device)
+    task = tasks.get(data.task)
+    layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
+    global_P = layout.flatten(model).clone()
+    checkpoints = Checkpoints(os.path.join(rc.out_dir, "checkpoints"))
+    # run.parallel_clients = auto becomes the B this run uses (in cfg: config.toml and the
+    # checkpoints' identity record it); on resume the checkpoint's B, which decides the bits
+    resumed = checkpoint.identity_of(checkpoint.round_dir(checkpoints.root, resume_round)).get(
+        "run.parallel_clients", 1) if resume_round and rc.parallel_clients == parallel.AUTO else None
+    clients_note = parallel.resolve(cfg, comm, model, layout, data, ids, task, resumed) + _precision_words(cfg, device)
+    trainer = trainer_of(rc.parallel_clients, model, layout, cfg, rule, needs, task)
+    speeds = refuse_before_round_one(cfg, model, data, trainer.batched, ids)
+    # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap),
+    # after the refusals: an mmap store writes its files in run.out_dir
+    client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
+        rc.out_dir, "client_state", f"rank{comm.rank}"))
+    report = ReportLayout(needs, layout.numel, len(layout.conv_entries()))
+    cost_K = [expected_cost(n, cfg.train) for n in data.num_samples]
+    server = server_of(comm, rc.aggregation, rc.aggregation_block, strategy, report,
+                       static_stacks(needs, cfg, layout, device), cfg.algorithm,
+                       strategy.private and rc.sampling == "poisson", (cfg.train.lr, cfg.algorithm.server_lr),
+                       global_P, strategy.init_state(global_P, cfg.algorithm))
+    schedule = schedule_of(cfg, data.num_samples, cost_K, speeds, comm, balanced)
+    start_round = _resume(comm, resume_round, checkpoints, owned, client_states, server, schedule) + 1
+    run = Run(cfg, data, task, model, layout, strategy, rule, trainer, report, client_states, balanced, cost_K,
+              server, schedule, checkpoints, start_round, clients_note,
+              client_eval.Evaluator(cfg) if rc.client_eval_every > 0 else None)
+    if comm.is_main and rc.progress and device.type == "cpu" and rc.parallel_clients > 1:
+        run = dataclasses.replace(run, clients_note=run.clients_note + "; " + _side_by_side_on_cpu(run, comm))
+    run = dataclasses.replace(run, clients_note="; ".join(filter(None, [run.clients_note, warmup.warm_up(run, comm)])))
+    comm.broadcast_(run.server.global_P)
+    return run
+
+
+def _load_data(cfg: config.Config, comm, ids: list[int]):
+    """The clients this rank may train (a client's tensors are made when it first trains), on the
+    run's device; a rank that cannot load its data ends every rank."""
+    error = None
+    try:
+        data = build_data(cfg, cfg.data.seed, ids)
+    except DataError as exc:
+        error = exc
+    agree_on_failure(comm, error)
+    device = comm.device
+    if device.type != "cpu":
+        to_device = lambda d: ClientData(d.x.to(device), d.y.to(device))  # noqa: E731
+        data.train = data.train.mapped(to_device) if isinstance(data.train, LazyClients) else \
+            {c: to_device(d) for c, d in data.train.items()}
+        data.test = to_device(data.test)
+        if data.held_out is not None:  # data.client_test_fraction: the clients' held-out samples
+            data.held_out = data.held_out.mapped(to_device)
+    return data
+
+
+def _precision_words(cfg: config.Config, device) -> str:
+    """The start line's words on train.precision and run.compile, after run.parallel_clients'."""
+    words = "; " + precision.words(cfg.train.precision, device) if cfg.train.precision != "fp32" else ""
+    if cfg.run.compile:
+        words += ("; run.compile: compile applies to side by side only, one after another runs eagerly"
+                  if cfg.run.parallel_clients == 1 else "; run.compile: the side-by-side step compiles in the warm-up")
+    return words
+
+
+def server_of(comm, aggregation: str, block: int, strategy, *args) -> Server:
+    """The server form of a run, chosen once: sharded for run.aggregation = sharded and a rule
+    with a range form, gathered otherwise. ``args``: the rest of Server's."""
+    if aggregation == "sharded" and strategy.aggregate_span is not None:
+        return ShardedServer(comm, strategy, *args, block=block)
+    return GatheredServer(comm, strategy, *args, unsharded_rule=aggregation == "sharded")
+
+
+def _resume(comm, resume_round: int, checkpoints: Checkpoints, owned: list[int], client_states, server: Server,
+            schedule) -> int:
+    """The checkpoint of ``resume_round`` read back into the client states, the server and the
+    schedule's clock; returns the round it completed (0: a fresh run)."""
+    if not resume_round:
+        return 0
+    checkpoints.last = checkpoint.round_dir(checkpoints.root, resume_round)
+    error = None
+    try:
+        saved, saved_clients = checkpoint.load(checkpoints.last, set(owned), comm.device, server.checkpoint_columns)
+    except DataError as exc:
+        error = exc
+    agree_on_failure(comm, error, "the checkpoint")
+    client_states.restore(saved_clients)
+    del saved_clients
+    server.restore(saved["global_P"], saved["state"])
+    done = int(saved["round"])
+    schedule.restore(saved, done + 1, comm.device)
+    return done
+
+
+def refuse_before_round_one(cfg: config.Config, model, data, batched: BatchedTrainer | None = None,
+                            ids=None) -> list[float]:
+    """The refusals that need the built data and model, made before round 1 by the run's setup
+    and by ``python -m fedddp --check`` (fedddp.__main__.check) alike, so --check exits with the
+    status the run would: a train.batch_size that leaves a client a last batch of one sample for
+    a model with BatchNorm; a model whose side-by-side step cannot run (run.parallel_clients > 1,
+    tried on the first client of ``ids`` with samples by ``batched``, the run's trainer; --check
+    has none and builds one); a data.client_speed file that changed since the config loaded.
+    Returns each client's simulated seconds per local step."""
+    check_one_sample_batches(model, data.input_shape, data.num_samples, cfg.train.batch_size, cfg.model.name)
+    # auto is resolved by the run's setup (client/parallel.py) and falls back to 1 where side by side fails
+    if cfg.run.parallel_clients != parallel.AUTO and cfg.run.parallel_clients > 1:
+        # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
+        if batched is None:
+            try_side_by_side(cfg, model, data)
+        else:
+            batched.try_first_client(data.train, data.num_samples, ids)
+    try:
+        return asynchrony.client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
+    except ValueError as exc:  # checked when the config loaded; a file changed since
+        raise ConfigError(f"data.client_speed: {exc}") from None
+
+
+def static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:
+    """Stacks that are not client reports but fixed for the run: conv_runs_R3 (FedER),
+    param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO, DP-FedAvg),
+    client_momentum (FedNova's rho), num_sampled (K, or the expected cohort q N under Poisson
+    sampling), sampling_rate (q), poisson and noise_seed (DP-FedAvg), aggregation_block (CGW,
+    DP-FedAvg: the block width of their sums over the whole vector)."""
+    static = {}
+    if "conv_runs_R3" in needs:
+        static["conv_runs_R3"] = layout.conv_runs_R3().to(device)
+    if "param_mask_P" in needs:
+        static["param_mask_P"] = layout.param_mask_P(device)
+    if "num_clients" in needs:
+        static["num_clients"] = torch.tensor(float(cfg.data.num_clients), device=device)
+    if "client_momentum" in needs:
+        static["client_momentum"] = torch.tensor(float(cfg.train.momentum), device=device)
+    if "num_sampled" in needs:
+        static["num_sampled"] = torch.tensor(cfg.expected_cohort(), device=device)
+    if "sampling_rate" in needs:
+        static["sampling_rate"] = torch.tensor(cfg.sampling_rate(), dtype=torch.float64)
+    if "poisson" in needs:
+        static["poisson"] = torch.tensor(cfg.run.sampling == "poisson")
+    if "noise_seed" in needs:
+        static["noise_seed"] = torch.tensor(cfg.run.seed, dtype=torch.int64)
+    if "aggregation_block" in needs:
+        static["aggregation_block"] = torch.tensor(cfg.run.aggregation_block, dtype=torch.int64)
+    return static
+
+
+# Rounds whose groups the start line's prediction for side by side on CPU covers.
+PREDICTED_ROUNDS = 5
+
+
+def _side_by_side_on_cpu(run: Run, comm) -> str:
+    """The start line's words on side by side on this CPU: rank 0's first group timed both ways
+    on copies (client/parallel.py; nothing of the run changes), the timings applied to rank 0's
+    groups of the first rounds, with a warning when one after another is predicted faster."""
+    cfg, first = run.cfg, run.start_round
+    last = min(cfg.run.rounds, first + PREDICTED_ROUNDS - 1)
+    timed, groups = [], []  # the clients of the first group; every group's planned steps
+    for round_idx in range(first, last + 1):
+        plan = plan_round(cfg, round_idx, run.data.num_samples, run.cost_K, comm.rank, comm.world_size, run.balanced)
+        for group in plan.groups:
+            trained = [c for c in group if run.data.num_samples[c] and not plan.straggles(c)]
+            if trained:
+                timed = timed or trained
+                groups.append([plan.steps_of[c] for c in trained])
+    rounds = f"round {first}" if last == first else f"rounds {first}-{last}"
+    if not timed:
+        return f"side by side not measured (rank 0 trains no client in {rounds})"
+    timings = parallel.measure_cpu(run.model, run.layout, cfg, run.task, [run.data.train[c] for c in timed],
+                                   run.global_P)
+    return parallel.cpu_verdict(timings, groups, rounds)[1]
