@@ -106,7 +106,8 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     # checkpoints' identity record it); on resume the checkpoint's B, which decides the bits
     resumed = checkpoint.identity_of(checkpoint.round_dir(checkpoints.root, resume_round)).get(
         "run.parallel_clients", 1) if resume_round and rc.parallel_clients == parallel.AUTO else None
-    clients_note = parallel.resolve(cfg, comm, model, layout, data, ids, task, resumed) + _precision_words(cfg, device)
+    clients_note = parallel.resolve(cfg, comm, model, layout, data, ids, task, resumed)
+    clients_note += _precision_words(cfg.train.precision, rc.compile, rc.parallel_clients, device)
     trainer = trainer_of(rc.parallel_clients, model, layout, cfg, rule, needs, task)
     speeds = refuse_before_round_one(cfg, model, data, trainer.batched, ids)
     # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap),
@@ -151,12 +152,12 @@ def _load_data(cfg: config.Config, comm, ids: list[int]):
     return data
 
 
-def _precision_words(cfg: config.Config, device) -> str:
+def _precision_words(train_precision: str, compiled: bool, parallel_clients: int, device) -> str:
     """The start line's words on train.precision and run.compile, after run.parallel_clients'."""
-    words = "; " + precision.words(cfg.train.precision, device) if cfg.train.precision != "fp32" else ""
-    if cfg.run.compile:
+    words = "; " + precision.words(train_precision, device) if train_precision != "fp32" else ""
+    if compiled:
         words += ("; run.compile: compile applies to side by side only, one after another runs eagerly"
-                  if cfg.run.parallel_clients == 1 else "; run.compile: the side-by-side step compiles in the warm-up")
+                  if parallel_clients == 1 else "; run.compile: the side-by-side step compiles in the warm-up")
     return words
 
 

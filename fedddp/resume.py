@@ -57,14 +57,14 @@ def refuse_before_data(cfg: config.Config) -> Resume | None:
     return Resume(folder, manifest, skipped, logs.kept_rows(cfg.run.out_dir, manifest["round"]))
 
 
-def start(cfg: config.Config, resume: Resume | None) -> int:
+def start(rc: config.RunConfig, resume: Resume | None) -> int:
     """Where the run starts, after ``refuse_before_data``: a fresh run clears the folder's earlier
     results (run.overwrite); a resume cuts the metrics files back to its checkpoint's round.
-    Returns that round (0: the run starts from round 1)."""
+    Returns that round (0: the run starts from round 1). ``rc``: the RunConfig."""
     if resume is None:
-        outdir.refuse_or_clear(cfg.run.out_dir, cfg.run.overwrite)
+        outdir.refuse_or_clear(rc.out_dir, rc.overwrite)
         return 0
-    ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
+    ckpt_root = os.path.join(rc.out_dir, "checkpoints")
     if resume.folder is None:
         if resume.skipped:
             # No save ever finished (a full disk or a kill during the first checkpoint): there is
@@ -78,7 +78,7 @@ def start(cfg: config.Config, resume: Resume | None) -> int:
             print(f"fedddp: run.resume=true but {ckpt_root} holds no checkpoint; starting from round 1",
                   file=sys.stderr, flush=True)
         return 0
-    with outdir.disk_full_is_one_line("metrics.jsonl, metrics.csv and clients.jsonl", cfg.run.out_dir,
+    with outdir.disk_full_is_one_line("metrics.jsonl, metrics.csv and clients.jsonl", rc.out_dir,
                                       resume.folder):
         logs.cut_back(resume.kept)
     why = f"; skipped {'; '.join(resume.skipped)}" if resume.skipped else ""
