@@ -32,13 +32,10 @@ import traceback
 # import of torch; an explicit setting in the environment wins.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from . import checks, config, env, usage
-from .algorithms import build_model
-from .api import execute
-from .data import build
-from .outdir import check_out_dir
-from .prepare import refuse_before_round_one
-from .resume import refuse_before_data
+# Only modules that need no torch are imported here: --help, --version, the usage and a mistake
+# in the config file answer before torch is loaded (seconds on a busy machine). The run's own
+# modules are imported where they are first needed.
+from . import config, env, usage
 from .errors import DataError, PluginError, StalledError, UserError
 
 
@@ -52,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] in ("-h", "--help"):
         try:
-            print(usage.full(__doc__) if len(argv) == 1 else usage.rule(argv[1]))
+            if len(argv) == 1:
+                print(usage.keys(__doc__) + "\n", flush=True)
+                print(usage.rules())
+            else:
+                print(usage.rule(argv[1]))
         except UserError as exc:
             print(f"fedddp: error: {exc}", file=sys.stderr)
             return exc.exit_code
@@ -74,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             return _check(path, overrides)
         proc = env.resolve()
         rank, world_size = proc.rank, proc.world_size
+        config.check_alone(path, overrides)
+        from .api import execute
+
         execute(proc, path, overrides)
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
@@ -100,6 +104,14 @@ def check(path: str | None, overrides: list[str], data: bool = True) -> config.C
     the UserError the run would have raised. The launchers call this before any rank starts.
     The refusals past the config are the run's own functions (fedddp.round), called in its order,
     which write nothing: a refusal added to the run's setup is made here too."""
+    config.check_alone(path, overrides)
+    from . import checks
+    from .algorithms import build_model
+    from .data import build
+    from .outdir import check_out_dir
+    from .prepare import refuse_before_round_one
+    from .resume import refuse_before_data
+
     cfg = checks.load(path, overrides)
     check_out_dir(cfg.run.out_dir)
     refuse_before_data(cfg)

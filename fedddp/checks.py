@@ -28,9 +28,7 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
     # only errors about keys not already reported are added.
     reported = {e.split(":", 1)[0] for e in errors}
     errors += [e for e in validate(cfg) if e.split(":", 1)[0] not in reported]
-    if errors:
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
+    config.refuse(errors, path)
     # resolved once, so config.toml, the start line and every rule see the same weighting,
     # sampling and rule parameters (the declared defaults filled in)
     cfg.algorithm.weighting = weighting_of(cfg.algorithm)

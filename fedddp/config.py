@@ -631,6 +631,22 @@ def parse(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[st
     return cfg, errors, path
 
 
+def refuse(errors: list[str], path: str | None) -> None:
+    """Every error at once, as one ConfigError (nothing when there is none)."""
+    if errors:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"{len(errors)} configuration error(s){where}: " + "; ".join(errors))
+
+
+def check_alone(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str] = ()) -> None:
+    """What the file and its overrides show by themselves (TOML, an unknown key, a value of the
+    wrong type or out of range), refused before anything imports torch: a typo answers at once.
+    fedddp.checks.load then says the rest (the rules, the plugins) with these."""
+    cfg, errors, path = parse(path, overrides)
+    reported = {e.split(":", 1)[0] for e in errors}
+    refuse(errors + [e for e in check_fields(cfg) if e.split(":", 1)[0] not in reported], path)
+
+
 def _read_toml(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as fh:

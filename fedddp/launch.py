@@ -36,15 +36,11 @@ import uuid
 
 from .__main__ import check as fedddp_check  # first: it sets torch's allocator options
 
-import torch
-from torch.distributed import run as torchrun
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-from . import checkpoint
 from . import env as fedddp_env
 from .errors import UserError
 
+# torch and torchrun are imported where first needed (_agent), after the check of the config:
+# --help and a mistake in the config answer without the seconds torch takes to load.
 PROG = "python -m fedddp.launch"
 # The loggers of torchrun's agent: the banners, "Sending process ... closing signal", failures.
 TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
@@ -52,6 +48,25 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # What the ranks see unless exported: torchrun's OMP_NUM_THREADS without its banner, and a fresh
 # store for each restarted group (pytorch/pytorch#135712; docs/launching.md, "Restarts").
 RANK_ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _agent():
+    """torch's elastic agent and what it raises, imported on first use."""
+    import types
+
+    import torch
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    return types.SimpleNamespace(torch=torch, torchrun=torchrun, SignalException=SignalException,
+                                 ChildFailedError=ChildFailedError)
+
+
+def __getattr__(name: str):
+    if name in ("torch", "torchrun", "SignalException", "ChildFailedError"):
+        return getattr(_agent(), name)
+    raise AttributeError(f"module 'fedddp.launch' has no attribute {name!r}")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -78,7 +93,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def default_nproc() -> int:
     """One rank per visible GPU, 2 on a machine without any."""
-    return torch.cuda.device_count() or 2
+    return _agent().torch.cuda.device_count() or 2
 
 
 def fedddp_argv(args: argparse.Namespace) -> list[str]:
@@ -90,7 +105,7 @@ def torchrun_argv(args: argparse.Namespace, nproc: int) -> list[str]:
     free port of this machine)."""
     argv = ["--nnodes=1", f"--nproc_per_node={nproc}", f"--max_restarts={args.max_restarts}",
             "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", f"--rdzv_id={uuid.uuid4()}"]
-    if hasattr(torchrun.LaunchConfig, "signals_to_handle"):
+    if hasattr(_agent().torchrun.LaunchConfig, "signals_to_handle"):
         # SIGINT is this module's (Stop): the ranks get SIGTERM, which ends them without a line each.
         argv.append("--signals_to_handle=SIGTERM,SIGHUP,SIGQUIT")
     return argv + ["--module", "fedddp", *fedddp_argv(args)]
@@ -122,7 +137,7 @@ class Stop:
         if not self.launched:
             raise Stopped(signum)
         forward = signal.SIGTERM if signum == signal.SIGINT else signal.Signals(signum)
-        raise SignalException(f"{PROG} got {signal.Signals(signum).name}", sigval=forward)
+        raise _agent().SignalException(f"{PROG} got {signal.Signals(signum).name}", sigval=forward)
 
 
 def quiet_torchrun() -> None:
@@ -139,6 +154,8 @@ def stopped_line(signum: int, out_dir: str | None, started: bool = True) -> str:
     said = f"fedddp: stopped by {signal.Signals(signum).name}"
     if not started:
         return f"{said} before any rank started"
+    from . import checkpoint
+
     found = checkpoint.latest(os.path.join(out_dir, "checkpoints")) if out_dir else None
     if found:
         return (f"{said}; the same command with run.resume=true continues from the checkpoint of round "
@@ -149,8 +166,9 @@ def stopped_line(signum: int, out_dir: str | None, started: bool = True) -> str:
     return f"{said}; the same command with run.resume=true continues from the last checkpoint"
 
 
-def failed_line(exc: ChildFailedError) -> str:
-    """A failure no rank explained (a rank killed, or fedddp's own traceback above): who, how."""
+def failed_line(exc) -> str:
+    """A failure no rank explained (torchrun's ChildFailedError: a rank killed, or fedddp's own
+    traceback above): who, how."""
     rank, failure = exc.get_first_failure()
     code = failure.exitcode
     how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
@@ -172,20 +190,21 @@ def launch(args: argparse.Namespace, stop: Stop) -> int:
         os.environ.setdefault(key, value)
     if not args.verbose:
         quiet_torchrun()
-    torchrun_args = torchrun.parse_args(torchrun_argv(args, args.nproc or default_nproc()))
+    agent = _agent()
+    torchrun_args = agent.torchrun.parse_args(torchrun_argv(args, args.nproc or default_nproc()))
     fd, status_path = tempfile.mkstemp(prefix="fedddp-status.")
     os.close(fd)
     os.environ[fedddp_env.STATUS_FILE_VAR] = status_path
     try:
         stop.launched = True
-        torchrun.run(torchrun_args)
+        agent.torchrun.run(torchrun_args)
         return 0
-    except SignalException as exc:
+    except agent.SignalException as exc:
         signum = stop.signum or exc.sigval
         # On a terminal rank 0's progress line is open (rewritten in place): ours goes below it.
         print("\n" * sys.stderr.isatty() + stopped_line(signum, out_dir), file=sys.stderr)
         return 128 + signum
-    except ChildFailedError as exc:
+    except agent.ChildFailedError as exc:
         if args.verbose:
             print(exc, file=sys.stderr)  # torchrun's report of the failed ranks
         records = fedddp_env.read_status(status_path)

@@ -12,10 +12,11 @@ new task kind is one entry here.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import functools
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch is imported on first use: the config's checks (of_data) run before it
+    import torch
 
 
 class Task(NamedTuple):
@@ -26,6 +27,8 @@ class Task(NamedTuple):
 
 
 def _mse(output_N1: torch.Tensor, target_N: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    import torch.nn.functional as F  # a lookup in sys.modules once torch is loaded
+
     return F.mse_loss(output_N1.squeeze(1), target_N, reduction=reduction)
 
 
@@ -36,10 +39,6 @@ def _correct(logits_NC: torch.Tensor, labels_N: torch.Tensor) -> torch.Tensor:
 def _abs_error(output_N1: torch.Tensor, target_N: torch.Tensor) -> torch.Tensor:
     return (output_N1.squeeze(1) - target_N).abs().sum()
 
-
-TASKS = {"classification": Task("classification", F.cross_entropy, _correct, "test_accuracy"),
-         "regression": Task("regression", _mse, _abs_error, "test_mae")}
-CLASSIFICATION = TASKS["classification"]
 
 # data.name -> task kind, for the checks that run before any data is read (config validation);
 # the data builders set FederatedData.task to the same value.
@@ -55,5 +54,22 @@ def of_data(data_name: str) -> str | None:
     return "regression" if data_name in REGRESSION_DATA else "classification"
 
 
+@functools.cache
+def _tasks() -> dict[str, Task]:
+    import torch.nn.functional as F
+
+    return {"classification": Task("classification", F.cross_entropy, _correct, "test_accuracy"),
+            "regression": Task("regression", _mse, _abs_error, "test_mae")}
+
+
 def get(name: str) -> Task:
-    return TASKS[name]
+    return _tasks()[name]
+
+
+def __getattr__(name: str):
+    # TASKS and CLASSIFICATION are built on first use, so importing this module imports no torch
+    if name == "TASKS":
+        return _tasks()
+    if name == "CLASSIFICATION":
+        return _tasks()["classification"]
+    raise AttributeError(f"module 'fedddp.tasks' has no attribute {name!r}")

@@ -4,13 +4,15 @@ parameters, a plugin's ``module:attr`` too) and ``--version``."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import textwrap
 
-from . import algorithms, checks, config, plugins
-from .client.rules import LocalRule
+from . import config, plugins
 from .errors import ConfigError, close_match
-from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES
+
+# The registry and the rules import torch (seconds on a busy machine): --help prints the command
+# and the config keys first, and imports them only for what names the rules.
 
 
 def version() -> str:
@@ -28,19 +30,34 @@ def short(doc: str) -> str:
 
 
 def full(doc: str) -> str:
-    """--help: the command's doc, the algorithms, every config key and the built-in rules' parameters."""
+    """--help: the command's doc, every config key, the algorithms and the built-in rules' parameters."""
+    return keys(doc) + "\n\n" + rules()
+
+
+def keys(doc: str) -> str:
+    """--help's first part, which needs no torch: the command's doc and every config key."""
+    return doc.strip() + "\n\nConfig keys (TOML tables; override as section.key=value):\n" + config.describe()
+
+
+def rules() -> str:
+    """--help's second part: the algorithms and the built-in rules' parameters."""
+    from . import algorithms
+    from .registry import ALGORITHMS
+
     names = textwrap.fill(", ".join(n for n in ALGORITHMS if not plugins.is_path(n)), 96,
                           initial_indent="  ", subsequent_indent="  ")
-    return (doc.strip() + "\n\nAlgorithms (algorithm.name; python -m fedddp --help NAME shows its rules and "
+    return ("Algorithms (algorithm.name; python -m fedddp --help NAME shows its rules and "
             "parameters; docs/algorithms.md):\n" + names + "\n  or your own server rule, \"module:attr\" "
             "(docs/extending.md): python -m fedddp --help module:attr lists its parameters"
-            "\n\nConfig keys (TOML tables; override as section.key=value):\n" + config.describe()
-            + "\n\nThe built-in rules' own parameters ([algorithm.params], or [algorithm.params.RULE] for one "
+            "\n\nThe built-in rules' own parameters ([algorithm.params], or [algorithm.params.RULE] for one "
             "rule; the old flat key algorithm.NAME still works):\n" + algorithms.describe_params())
 
 
 def _register(name: str) -> None:
     """A plugin's rule registered as a run that names it would register it (ConfigError if not)."""
+    from . import checks
+    from .client.rules import LocalRule
+
     cfg = config.Config()
     rule = plugins.get(name, "algorithm.name")
     if isinstance(rule, type) and issubclass(rule, LocalRule):
@@ -55,6 +72,9 @@ def _register(name: str) -> None:
 def rule(name: str) -> str:
     """--help NAME: the rules of an algorithm, or one server or local rule, with their parameters
     (default, doc) and the TOML table that sets them for it alone."""
+    importlib.import_module(f"{__package__}.algorithms")  # the built-in rules register on import
+    from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES
+
     if plugins.is_path(name) and name not in SERVER_RULES and name not in LOCAL_RULES:
         _register(name)
     if name in ALGORITHMS:

@@ -151,7 +151,8 @@ PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples
 
 def test_every_algorithm_has_a_paper_weighting():
     from fedddp.registry import ALGORITHMS
-    assert set(PAPER_WEIGHTING) == set(ALGORITHMS)
+    # a plugin registered by an earlier test in this process (module:attr) is not built in
+    assert set(PAPER_WEIGHTING) == {name for name in ALGORITHMS if ":" not in name}
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_WEIGHTING))

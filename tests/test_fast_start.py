@@ -50,3 +50,70 @@ def test_eager_optimizers_update_bitwise_as_torch_optim(eager, reference, kwargs
         finals.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*finals):
         assert torch.equal(a, b)
+
+
+# Each command's first output is written before torch is imported (seconds on a busy 2-core
+# machine): the subprocess records, at every write to stdout or stderr, whether torch was loaded.
+_WATCH = """
+import io, json, sys
+seen = []
+class Watch(io.TextIOWrapper):
+    def write(self, text):
+        if text.strip():
+            seen.append('torch' in sys.modules)
+        return super().write(text)
+sys.stdout = Watch(sys.stdout.buffer, line_buffering=True)
+sys.stderr = Watch(sys.stderr.buffer, line_buffering=True)
+from fedddp.{module} import main
+code = main({argv!r})
+sys.stdout.flush()
+print(json.dumps({{"code": code, "first_write_torch": seen[0] if seen else None,
+                   "torch_at_end": 'torch' in sys.modules}}), file=sys.__stdout__)
+"""
+
+
+def _watch(module: str, argv: list[str], tmp_path) -> dict:
+    import json
+
+    code = _WATCH.format(module=module, argv=argv)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("module", ["__main__", "launch"])
+@pytest.mark.parametrize("case, overrides", [
+    ("unknown key", ["run.roundz=3"]),
+    ("wrong type", ["run.rounds=three"]),
+    ("out of range", ["run.rounds=-1"]),
+    ("unknown choice", ["train.precision=fp8"]),
+])
+def test_a_mistake_in_the_config_answers_before_torch_is_imported(tmp_path, module, case, overrides):
+    result = _watch(module, [QUICKSTART, *overrides], tmp_path)
+    assert result == {"code": 2, "first_write_torch": False, "torch_at_end": False}, case
+
+
+@pytest.mark.processes
+def test_a_broken_or_missing_file_answers_before_torch_is_imported(tmp_path):
+    (tmp_path / "bad.toml").write_text("[run\nrounds = 3\n")
+    for path in ("bad.toml", "missing.toml"):
+        assert _watch("__main__", [path], tmp_path) == {"code": 2, "first_write_torch": False,
+                                                         "torch_at_end": False}, path
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("argv", [[], ["--version"], ["--help"]])
+def test_usage_version_and_help_write_before_torch_is_imported(tmp_path, argv):
+    result = _watch("__main__", argv, tmp_path)
+    assert result["first_write_torch"] is False and result["code"] == (2 if not argv else 0)
+    # --help's second part names the algorithms, which are known once the rules are imported
+    assert result["torch_at_end"] is (argv == ["--help"])
+
+
+@pytest.mark.processes
+def test_launch_help_needs_no_torch(tmp_path):
+    code = ("import sys\nfrom fedddp.launch import main\ntry:\n    main(['--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0\nprint('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "False", proc.stderr[-2000:]
