@@ -3,6 +3,7 @@
   python -m fedddp configs/quickstart.toml [section.key=value ...]            one process
   torchrun --standalone --nproc_per_node=4 -m fedddp configs/quickstart.toml  four ranks
   python -m fedddp --check configs/quickstart.toml [section.key=value ...]    check, run nothing
+  python -m fedddp --verbose configs/quickstart.toml                          the start line's long form
   python -m fedddp --help                      every config key, algorithm and built-in rule parameter
   python -m fedddp --help NAME                 an algorithm's or rule's parameters (a plugin: module:attr)
   python -m fedddp --version
@@ -35,7 +36,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 # Only modules that need no torch are imported here: --help, --version, the usage and a mistake
 # in the config file answer before torch is loaded (seconds on a busy machine). The run's own
 # modules are imported where they are first needed.
-from . import config, env, usage
+from . import config, console, env, usage
 from .errors import DataError, PluginError, StalledError, UserError
 
 
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedddp: error: {exc}", file=sys.stderr)
             return exc.exit_code
         return 0
+    if argv[0] == "--verbose":  # the start line's long form, on every rank (torchrun passes argv to each)
+        os.environ[env.VERBOSE_VAR] = "1"
+        argv = argv[1:]
+        if not argv:
+            print(usage.short(__doc__), file=sys.stderr)
+            return 2
     if "--check" in argv[1:]:  # read as an override, it would be refused without saying why
         print("fedddp: error: --check goes first, before the config file and the overrides: "
               "python -m fedddp --check CONFIG.toml [section.key=value ...]", file=sys.stderr)
@@ -76,9 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         proc = env.resolve()
         rank, world_size = proc.rank, proc.world_size
         config.check_alone(path, overrides)
-        from .api import execute
+        from . import api
 
-        execute(proc, path, overrides)
+        api.execute(proc, path, overrides)
     except UserError as exc:
         # Every rank sees the same configuration error: say it once. A data error may be one
         # rank's own (its clients' files), so each rank that has one says it; so does a rank
@@ -86,40 +93,28 @@ def main(argv: list[str] | None = None) -> int:
         # (exit 7: a local rule's hook fails on the rank that trains the client).
         if rank == 0 or isinstance(exc, (DataError, StalledError, PluginError)):
             if isinstance(exc, PluginError) and os.environ.get("FEDDDP_TRACEBACK") == "1":
+                console.end_line()
                 traceback.print_exception(exc.__cause__, file=sys.stderr)  # the user's, before our line
             line = f"fedddp: error: {exc}"
-            print(line, file=sys.stderr)
+            console.say(line)
             # The rank whose own data failed says what; rank 0's relay of it comes after.
             relayed = "another rank" in str(exc)
             env.write_status(exc.exit_code, line, rank + (world_size if relayed else 0))
         return exc.exit_code
     except KeyboardInterrupt:
-        print("fedddp: interrupted", file=sys.stderr)
+        console.say("fedddp: interrupted")
         return 130
     return 0
 
 
 def check(path: str | None, overrides: list[str], data: bool = True) -> config.Config:
     """The config, then (with ``data``) every client's data, in this process: a mistake raises
-    the UserError the run would have raised. The launchers call this before any rank starts.
-    The refusals past the config are the run's own functions (fedddp.round), called in its order,
-    which write nothing: a refusal added to the run's setup is made here too."""
+    the UserError the run would have raised (fedddp.api.check). The launchers call this before
+    any rank starts. What the file shows by itself is said before torch is imported."""
     config.check_alone(path, overrides)
-    from . import checks
-    from .algorithms import build_model
-    from .data import build
-    from .outdir import check_out_dir
-    from .prepare import refuse_before_round_one
-    from .resume import refuse_before_data
+    from . import api
 
-    cfg = checks.load(path, overrides)
-    check_out_dir(cfg.run.out_dir)
-    refuse_before_data(cfg)
-    if data:
-        built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
-        model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
-        refuse_before_round_one(cfg, model, built)
-    return cfg
+    return api.check(path, overrides, data)
 
 
 def _check(path: str | None, overrides: list[str]) -> int:

@@ -17,6 +17,11 @@ from typing import Any, Mapping
 import torch
 
 from . import checks, config as config_module, env
+from .algorithms import build_model
+from .data import build
+from .outdir import check_out_dir
+from .prepare import refuse_before_round_one
+from .resume import refuse_before_data
 from .comm import Comm
 from .round import run as run_rounds
 from .errors import ERRORS, UserError
@@ -129,3 +134,18 @@ class _TorchGlobals:
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def check(path, overrides: list[str], data: bool = True) -> config_module.Config:
+    """``python -m fedddp --check``: the config, then (with ``data``) every client's data, in this
+    process; a mistake raises the UserError the run would have raised. The refusals past the
+    config are the run's own functions, called in its order, which write nothing: a refusal added
+    to the run's setup is made here too."""
+    cfg = checks.load(path, overrides)
+    check_out_dir(cfg.run.out_dir)
+    refuse_before_data(cfg)
+    if data:
+        built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
+        model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
+        refuse_before_round_one(cfg, model, built)
+    return cfg

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from . import callbacks, checkpoint, client_eval, config, logs, outdir, strategies
+from . import callbacks, checkpoint, client_eval, config, console, env, logs, outdir, strategies
 from .algorithms import describe as describe_algorithm
 from .plan import RoundPlan, describe as describe_schedule
 
@@ -47,10 +47,23 @@ class Progress:
                 f" | {self.seconds[-1]:.2f} s this round, {mean:.2f} s/round steady"
                 f" | ETA {int(eta) // 60}:{int(eta) % 60:02d}")
         if self.tty:
-            sys.stderr.write("\r" + line + ("\n" if round_idx == self.total else ""))
+            console.rewrite(line)
+            if round_idx == self.total:
+                console.end_line()
         elif acc is not None or round_idx == self.total:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+            console.say(line)
+
+
+def start_line(run, ranks: str, form: str, verbose: bool) -> str:
+    """The run in one short line: ranks, algorithm, cohort, how clients train. The long form
+    (the rules, the weighting, the aggregation's form, why the clients train as they do) with
+    --verbose (FEDDDP_VERBOSE=1)."""
+    if verbose:
+        return (f"fedddp: {ranks}; {describe_algorithm(run.cfg)}; {describe_schedule(run.cfg)}; "
+                f"aggregation: {form}; {run.clients_note}")
+    how = run.clients_note.split(" (", 1)[0].split(";", 1)[0]
+    return (f"fedddp: {ranks}; {run.cfg.algorithm.name}; {describe_schedule(run.cfg)}; {how} "
+            "(--verbose says more)")
 
 
 class Book:
@@ -75,8 +88,7 @@ class Book:
         # out; the line says which form of the rules produced this run's bits.
         form = run.server.describe(strategies.kernels.describe(comm.device, rule=run.strategy.name))
         if rc.progress:
-            print(f"fedddp: {comm.describe()}; {describe_algorithm(run.cfg)}; "
-                  f"{describe_schedule(run.cfg)}; aggregation: {form}; {run.clients_note}", file=sys.stderr, flush=True)
+            console.say(start_line(run, comm.describe(), form, env.verbose()))
 
     def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
                     diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric, sync: bool,
@@ -116,12 +128,11 @@ class Book:
                 checkpoint.atomic_save(final, os.path.join(rc.out_dir, "final.pt"))
             self.logs.close()
             if rc.progress:
-                newline = "\n" if self.progress.tty and last_round != rc.rounds else ""  # the progress line's end
-                print(newline + self.closing_line(last_round), file=sys.stderr, flush=True)
+                console.say(self.closing_line(last_round))
             return
         if last_round == rc.stop_after:
-            print(f"fedddp: stopped after round {last_round} (run.stop_after); continue from {last_ckpt} with "
-                  "run.resume=true", file=sys.stderr, flush=True)
+            console.say(f"fedddp: stopped after round {last_round} (run.stop_after); continue from {last_ckpt} "
+                        "with run.resume=true")
         self.logs.close()
 
     def closing_line(self, last_round: int | None = None) -> str:

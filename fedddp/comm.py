@@ -18,13 +18,13 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import sys
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from . import console
 from .env import ProcessEnv, write_status
 from .errors import ConfigError, StalledError
 
@@ -349,7 +349,7 @@ class Heartbeat:
                 f"(run.collective_timeout_s); it may be stopped (SIGSTOP), swapping or hung; the run "
                 f"ends here, resume it from its last checkpoint with run.resume=true")
         if live and self.rank == live[0]:
-            print(line, file=sys.stderr, flush=True)
+            console.say(line)
             write_status(STALLED_EXIT, line, self.rank)
         os._exit(STALLED_EXIT)
 

@@ -98,6 +98,13 @@ def resolve(environ=None) -> ProcessEnv:
     return ProcessEnv(0, 1, 0, "127.0.0.1", DEFAULT_PORT, "single")
 
 
+VERBOSE_VAR = "FEDDDP_VERBOSE"  # "1": the start line's long form (python -m fedddp --verbose)
+
+
+def verbose(environ=None) -> bool:
+    return (os.environ if environ is None else environ).get(VERBOSE_VAR) == "1"
+
+
 def write_status(code: int, line: str, order: int, environ=None) -> None:
     """Leave a failed rank's exit status and one-line message where a launcher finds them:
     torchrun reports any failed worker as status 1 inside its own banner, so fedddp.launch (and

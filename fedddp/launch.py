@@ -82,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "continues from its last checkpoint (default 0)")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="start the ranks without checking the config and data here first")
-    parser.add_argument("--verbose", action="store_true", help="keep torchrun's own log")
+    parser.add_argument("--verbose", action="store_true", help="keep torchrun's own log, and the start line's long form")
     args = parser.parse_intermixed_args(argv)
     if args.nproc is not None and args.nproc < 1:
         parser.error("--nproc must be at least 1")
@@ -108,7 +108,7 @@ def torchrun_argv(args: argparse.Namespace, nproc: int) -> list[str]:
     if hasattr(_agent().torchrun.LaunchConfig, "signals_to_handle"):
         # SIGINT is this module's (Stop): the ranks get SIGTERM, which ends them without a line each.
         argv.append("--signals_to_handle=SIGTERM,SIGHUP,SIGQUIT")
-    return argv + ["--module", "fedddp", *fedddp_argv(args)]
+    return argv + ["--module", "fedddp", *(["--verbose"] if args.verbose else []), *fedddp_argv(args)]
 
 
 class Stopped(BaseException):

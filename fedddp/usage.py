@@ -4,12 +4,12 @@ parameters, a plugin's ``module:attr`` too) and ``--version``."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import textwrap
 
 from . import config, plugins
 from .errors import ConfigError, close_match
+from .registry import LOCAL_RULES, SERVER_RULES  # filled as fedddp.algorithms imports the rules
 
 # The registry and the rules import torch (seconds on a busy machine): --help prints the command
 # and the config keys first, and imports them only for what names the rules.
@@ -42,7 +42,7 @@ def keys(doc: str) -> str:
 def rules() -> str:
     """--help's second part: the algorithms and the built-in rules' parameters."""
     from . import algorithms
-    from .registry import ALGORITHMS
+    from .algorithms import ALGORITHMS
 
     names = textwrap.fill(", ".join(n for n in ALGORITHMS if not plugins.is_path(n)), 96,
                           initial_indent="  ", subsequent_indent="  ")
@@ -72,8 +72,7 @@ def _register(name: str) -> None:
 def rule(name: str) -> str:
     """--help NAME: the rules of an algorithm, or one server or local rule, with their parameters
     (default, doc) and the TOML table that sets them for it alone."""
-    importlib.import_module(f"{__package__}.algorithms")  # the built-in rules register on import
-    from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES
+    from .algorithms import ALGORITHMS  # importing it registers the built-in rules
 
     if plugins.is_path(name) and name not in SERVER_RULES and name not in LOCAL_RULES:
         _register(name)

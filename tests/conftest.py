@@ -22,6 +22,11 @@ import threading
 import pytest
 
 from fedddp import plugins, registry
+
+# The tests read the start line's long form (the rules, the aggregation's form, how the clients
+# train); tests/test_book.py checks the short one a user sees by default. Set before any test
+# starts a process, so every rank of every run inherits it.
+os.environ.setdefault("FEDDDP_VERBOSE", "1")
 from fedrun import SLOW, run_here
 
 # The test whose setup, call or teardown is running (None between tests and at collection).

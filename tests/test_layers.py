@@ -16,7 +16,7 @@ PACKAGE = os.path.join(REPO, "fedddp")
 # Lowest first. A module (or a subpackage, with everything in it) imports only from its own layer
 # or below, never a cycle; docs/architecture.md shows the same table.
 LAYERS = [
-    ["errors", "registry", "params", "atomic", "flat", "blocks", "sampling", "tasks", "env"],  # ground: names and helpers
+    ["errors", "registry", "params", "atomic", "flat", "blocks", "sampling", "tasks", "env", "console"],  # ground: names and helpers
     ["plugins", "comm", "verdict", "outdir", "callbacks"],  # user modules, collectives and the ranks' verdicts, the run folder, rank 0's hooks
     ["config"],                             # the typed config tree and its own fields' checks
     ["data", "models", "metrics", "participation", "asynchrony"],
@@ -43,6 +43,13 @@ LAYERS = [
 LATE = {
     ("fedddp", "fedddp.api"): "``import fedddp`` stays without torch (tests/test_api.py)",
     ("fedddp.strategies.kernels", "fedddp.strategies.triton_kernels"): "triton: optional, CUDA builds only",
+    # --help, the usage and a mistake in the config answer before torch is imported
+    # (tests/test_fast_start.py): what imports torch is imported once it is needed
+    ("fedddp.__main__", "fedddp.api"): "the run and --check, after the config's own checks",
+    ("fedddp.launch", "fedddp.checkpoint"): "the stopped line's checkpoint, once a run has started",
+    ("fedddp.usage", "fedddp.algorithms"): "--help's second part: the algorithms and their parameters",
+    ("fedddp.usage", "fedddp.checks"): "--help module:attr: a plugin registered as a run would",
+    ("fedddp.usage", "fedddp.client.rules"): "--help module:attr: whether a plugin is a local rule",
 }
 
 
