@@ -89,6 +89,10 @@ class Book:
         form = run.server.describe(strategies.kernels.describe(comm.device, rule=run.strategy.name))
         if rc.progress:
             console.say(start_line(run, comm.describe(), form, env.verbose()))
+            rule_words = run.strategy.start_words and run.strategy.start_words(
+                run.server.hp.params, run.cfg.expected_cohort(), run.layout.numel)
+            if rule_words:
+                console.say(f"fedddp: {run.strategy.name}: {rule_words}")
 
     def write_round(self, plan: RoundPlan, reported: list[int], train_s_R: list[float], clock: dict,
                     diagnostics: dict, train_loss, stacks: dict, test_loss, test_metric, sync: bool,

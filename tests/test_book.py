@@ -19,8 +19,10 @@ def _stderr_lines(tmp_path, *args, verbose_env: bool = False) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "FEDDDP_VERBOSE"}  # conftest sets it for the suite
     if verbose_env:
         env["FEDDDP_VERBOSE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "fedddp", *args, QUICKSTART, "run.rounds=1",
-                           f"run.out_dir={tmp_path}"], capture_output=True, text=True, cwd=REPO, env=env,
+    flags = [a for a in args if a.startswith("--")]
+    overrides = [a for a in args if not a.startswith("--")]
+    proc = subprocess.run([sys.executable, "-m", "fedddp", *flags, QUICKSTART, "run.rounds=1",
+                           f"run.out_dir={tmp_path}", *overrides], capture_output=True, text=True, cwd=REPO, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stderr.splitlines()
@@ -78,3 +80,29 @@ def test_on_a_terminal_a_failing_round_says_so_below_the_progress_line(tmp_path)
     assert "\rround 2/4 |" in text, text
     error = text.index("fedddp: error:")
     assert text[error - 1] == "\n", text  # not glued to the end of "ETA 0:00"
+
+
+def test_dp_start_words_weigh_the_noise_against_the_clip():
+    """The docs' DP example (quickstart, C = 1, z = 1, cohort 10, 610 parameters) ended at chance
+    accuracy with no hint: the noise's norm is sqrt(610) / 10 = 2.47 times the largest mean update."""
+    from fedddp.strategies import dpfedavg
+
+    params = dict(dpfedavg.PARAMS, dp_clip=1.0)
+    words = dpfedavg.start_words(params, 10.0, 610)
+    assert words.startswith("DP noise std 0.1 a coordinate, its norm 2.47x the clip C") and "outweighs" in words
+    assert dpfedavg.start_words(dict(params, dp_clip=3.0), 10.0, 610).startswith("DP noise std 0.3 a coordinate, "
+                                                                                 "its norm 2.47x")
+    calm = dpfedavg.start_words(dict(params, dp_noise_cohort=1000), 10.0, 610)  # m = 1000: std 1e-3
+    assert calm.startswith("DP noise std 0.001 a coordinate, its norm 0.0247x") and "outweighs" not in calm
+    assert dpfedavg.start_words(dict(params, dp_noise=0.0), 10.0, 610) == ""
+    # adaptive clipping: the update's multiplier z_Delta = (z^-2 - (2 sigma_b)^-2)^-1/2, sigma_b = m / 20
+    z_delta = (1.0 - (2 * 100 / 20) ** -2) ** -0.5
+    adaptive = dpfedavg.start_words(dict(params, dp_adaptive_quantile=0.5), 100.0, 610)
+    assert adaptive.startswith(f"DP noise std {z_delta / 100:.3g} a coordinate")
+
+
+@pytest.mark.processes
+def test_a_dp_run_says_its_noise_against_its_clip_before_round_1(tmp_path):
+    lines = _stderr_lines(tmp_path, "algorithm.name=dpfedavg", "algorithm.params.dp_clip=1.0")
+    assert lines[1].startswith("fedddp: dpfedavg: DP noise std 0.1 a coordinate, its norm 2.47x the clip C"), lines
+    assert not any("DP noise" in line for line in _stderr_lines(tmp_path / "plain"))

@@ -131,6 +131,9 @@ class Strategy:
     # diagnostics are the whole round's, the same on every rank. None: the rule cannot work on a
     # range and runs gathered on rank 0 (the start line says so).
     aggregate_span: Callable | None = None
+    # start_words(params, expected cohort, P) -> what the start line adds about this rule before
+    # round 1 (DP-FedAvg: its noise against its clip); "" for nothing
+    start_words: Callable[[dict, float, int], str] | None = None
 
     def needs_for(self, hp) -> frozenset[str]:
         return self.needs_fn(hp) if self.needs_fn is not None else self.needs

@@ -122,6 +122,27 @@ def calibration(params: dict, num_sampled: float) -> tuple[float, float, float]:
     return cohort, (z ** -2 - (2 * sigma_b) ** -2) ** -0.5, sigma_b
 
 
+def start_words(params: dict, expected_cohort: float, numel: int) -> str:
+    """The noise against the clip, said before round 1: the noised mean update carries noise of
+    std z_Delta C / m a coordinate, so of norm about z_Delta C sqrt(P) / m, while the clipped
+    mean update is at most C long. Where the noise's norm exceeds C, no round's update can show
+    through it (the model walks at random: chance accuracy), whatever the rounds."""
+    try:
+        cohort, z_update, _ = calibration(params, expected_cohort)
+    except ValueError:  # refused with the config
+        return ""
+    if z_update <= 0:
+        return ""
+    std = z_update * params["dp_clip"] / cohort
+    times = z_update * numel ** 0.5 / cohort
+    words = (f"DP noise std {std:.3g} a coordinate, its norm {times:.3g}x the clip C that bounds the "
+             f"mean update ({numel} parameters, cohort {cohort:g})")
+    if times > 1:
+        words += ("; the noise outweighs any round's update: more clients a round (or "
+                  "algorithm.params.dp_noise_cohort), a smaller dp_noise, or a smaller model")
+    return words
+
+
 def init_state(global_P, hp):
     return {"dp_steps": torch.zeros((), dtype=torch.float64),
             "dp_clip": torch.tensor(float(hp.params["dp_clip"]), dtype=torch.float64)}
@@ -320,10 +341,11 @@ def check_params(params: dict) -> list[str]:
 DP_NEEDS = frozenset({"num_sampled", "num_clients", "noise_seed", "sampling_rate", "poisson", "aggregation_block"})
 DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger, spent=spent,
                              needs=DP_NEEDS, doc=__doc__, takes_server_lr=True, private=True, params=PARAMS,
-                             check_params=check_params, param_docs=PARAM_DOCS, aggregate_span=aggregate_span))
+                             check_params=check_params, param_docs=PARAM_DOCS, aggregate_span=aggregate_span,
+                             start_words=start_words))
 DPFEDMOM = register(Strategy(
     "dpfedmom", aggregate_momentum, init_state=init_state_momentum, ledger=ledger, spent=spent, needs=DP_NEEDS,
     doc=__doc__, takes_server_lr=True, private=True, params=PARAMS | {"server_momentum": 0.9},
     check_params=lambda params: check_params(params) + in_unit(params, "server_momentum"),
     param_docs=PARAM_DOCS | {"server_momentum": "FedMom server momentum delta_m (0 gives FedAvg)."},
-    aggregate_span=aggregate_momentum_span))
+    aggregate_span=aggregate_momentum_span, start_words=start_words))
