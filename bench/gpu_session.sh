@@ -27,6 +27,7 @@ wheels=${2:-.gpu/whl}
 out=${OUT:-gpu_out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+export FEDDDP_VERBOSE=1  # the start lines' long form: the B auto picked, the aggregation's form
 if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/fedddp_site "$wheels"/*.whl || exit 1
