@@ -34,6 +34,13 @@ def test_dropout_model_equals_sequential(tmp_path, extra):
 
 
 @pytest.mark.e2e
+def test_dropout_masks_drawn_a_step_at_a_time_equal_sequential_too(tmp_path, monkeypatch):
+    """A group whose masks for all steps would pass GROUP_DROPOUT_BYTES draws each step's own."""
+    monkeypatch.setattr(batched, "GROUP_DROPOUT_BYTES", 0)
+    assert_close(tmp_path, DROPOUT)
+
+
+@pytest.mark.e2e
 def test_dropout_masks_that_differ_would_fail(tmp_path, monkeypatch):
     """Guards against masks that are not the sequential path's: with each side-by-side client's
     masks drawn one step late, the model moves far beyond the tolerance. And dropout is on:
@@ -41,13 +48,22 @@ def test_dropout_masks_that_differ_would_fail(tmp_path, monkeypatch):
     from fedddp.models import dropout
 
     sequential_P = final_P(tmp_path, 1, DROPOUT)
-    masks = batched.BatchedTrainer._dropout_masks
+    with monkeypatch.context() as late:  # the group's masks, all steps drawn at once
+        init = batched._GroupBatches.__init__
+
+        def late_init(self, *args):
+            init(self, *args)
+            self.pairs_M = [(b, step + 1) for b, step in self.pairs_M]
+        late.setattr(batched._GroupBatches, "__init__", late_init)
+        late_group_P = final_P(tmp_path / "group", 4, DROPOUT)
+    masks = batched.BatchedTrainer._dropout_masks  # a step's own masks
+    monkeypatch.setattr(batched, "GROUP_DROPOUT_BYTES", 0)
     monkeypatch.setattr(batched.BatchedTrainer, "_dropout_masks", lambda self, keys, *args: masks(
         self, [(seed, step + 1) for seed, step in keys], *args))
     late_P = final_P(tmp_path, 4, DROPOUT)
     monkeypatch.setattr(dropout.SeededDropout, "forward", lambda self, x: x)
     off_P = final_P(tmp_path, 1, DROPOUT)
-    for other_P in (late_P, off_P):
+    for other_P in (late_group_P, late_P, off_P):
         assert (sequential_P - other_P).abs().max().item() > 100 * TOL * sequential_P.abs().max().item()
 
 
@@ -111,3 +127,24 @@ def test_dropout_on_a_dimension_other_than_the_batch_is_refused_side_by_side():
     with pytest.raises(ConfigError, match=r"dropout layer features.2 sees inputs \[8, 1\], \[8, 2\].*"
                                           "run.parallel_clients=1"):
         trainer.try_step(ClientData(torch.randn(5, 4), torch.randint(0, 2, (5,))))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_draws_keep_1_minus_p_independently_across_clients_steps_and_elements(p):
+    """The counter-based draw: over 100 (client, step) keys of 20,000 elements, each key's kept
+    fraction within 5 standard deviations of 1 - p, and two keys' masks, or neighbouring
+    elements, agree as independent draws do (keep^2 + p^2); a batched draw equals the
+    one-key draws row for row."""
+    from fedddp.models import dropout
+
+    keys, keep, n = [(seed, step) for seed in range(20) for step in range(5)], 1 - p, 20_000
+    kept = dropout.masks(dropout.keys_C2(keys, 3, "cpu"), n, p) > 0
+    sd = (keep * p / n) ** 0.5
+    assert (kept.float().mean(1) - keep).abs().max().item() < 5 * sd
+    agree = keep ** 2 + p ** 2
+    pairs = (kept[:-1] == kept[1:]).float().mean(1)  # key i against key i + 1
+    assert (pairs - agree).abs().max().item() < 5 * (agree * (1 - agree) / n) ** 0.5
+    neighbours = (kept[:, 1:] == kept[:, :-1]).float().mean().item()
+    assert abs(neighbours - agree) < 5 * (agree * (1 - agree) / (100 * n)) ** 0.5
+    assert torch.equal(dropout.masks(dropout.keys_C2(keys[:3], 3, "cpu"), n, p)[2],
+                       dropout.mask(keys[2], 3, (n,), p, "cpu"))

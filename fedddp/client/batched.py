@@ -31,10 +31,10 @@ the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_clie
   the report rows; the rest is ``finish_report``, the sequential path's, per client after
   loading its trained parameters into the model (the rule's end hook, full-batch gradients for
   CGW, effective ranks for FedER).
-- dropout: vmap refuses random operations, so each client's masks for the step are drawn
-  outside it from (its seed, step, layer) exactly as ``models.dropout.SeededDropout`` draws them
-  in the sequential path, padded with zeros, and the twin's ``_MaskedDropout`` layers multiply by
-  them; any other random operation is a config error naming the module, found before round 1 by
+- dropout: vmap refuses random operations, so each client's masks are drawn outside it from
+  (its seed, step, layer) as ``models.dropout.SeededDropout`` draws them in the sequential path
+  (a counter-based hash: every client's and step's masks of a group in one draw a layer, padded
+  with zeros), and the twin's ``_MaskedDropout`` layers multiply by them; any other random operation is a config error naming the module, found before round 1 by
   ``try_step`` (which the run and ``--check`` call).
 
 BatchNorm: each client has its own running statistics (running_mean, running_var,
@@ -68,6 +68,7 @@ size (``fedddp.sampling.assign_groups``).
 from __future__ import annotations
 
 import copy
+import math
 import os
 import sys
 import time
@@ -422,6 +423,11 @@ class Compiled:
         return [g[:L] for g in grads_T], (objective[:L], (loss_L[:L], tuple(t[:L] for t in stats)))
 
 
+# A group's dropout masks for all its steps are drawn at once up to this size (float32), each
+# step's own beyond it: at 100 clients of batch 10 and 25 steps, 64 MB is 640 values a sample.
+GROUP_DROPOUT_BYTES = 64 << 20
+
+
 class _GroupBatches:
     """Every step's batches of a group without augmentation, as one gather a step from the
     group's samples in one tensor. The index and mask of all its steps are built once, with a
@@ -438,6 +444,7 @@ class _GroupBatches:
         self.x = torch.cat([data.x for _, data, *_ in group])
         self.y = torch.cat([data.y for _, data, *_ in group])
         offsets_B, positions, clients_M, self.first_S, self.sizes_S = [0], [], [], [], []
+        self.pairs_M: list[tuple[int, int]] = []  # (client, step) of each row, in step order
         for _, data, *_ in group[:-1]:
             offsets_B.append(offsets_B[-1] + len(data))
         for step in range(max(s.steps for s in schedules)):
@@ -447,6 +454,7 @@ class _GroupBatches:
             positions += [schedules[b].positions(step) for b in live]
             clients_M += live
             self.sizes_S.append([len(p) for p in positions[-len(live):]])
+            self.pairs_M += [(b, step) for b in live]
         self.first_S.append(len(clients_M))
         sizes = [len(p) for p in positions]
         sizes_M, width = torch.tensor(sizes), max(sizes)
@@ -464,6 +472,9 @@ class _GroupBatches:
         rows, sizes = slice(self.first_S[step], self.first_S[step + 1]), self.sizes_S[step]
         index = self.index_MW[rows, :max(sizes)]
         return self.x[index], self.y[index], self.mask_MW[rows, :max(sizes)], self.count_M[rows], sizes
+
+    def rows(self, step: int) -> slice:
+        return slice(self.first_S[step], self.first_S[step + 1])
 
 
 class BatchedTrainer:
@@ -814,6 +825,9 @@ class BatchedTrainer:
             indexed = None if cfg.data.augment else _GroupBatches(group, schedules, device)
 
         stacks, shared = self._begin(group, global_P, B, device)
+        with torch.profiler.record_function("fedddp::group_batches"):
+            group_drops = self._group_dropout_masks(indexed, schedules, device) \
+                if indexed is not None and self.dropouts else None
         self.shared, self.hp = shared, ctx0.hp
         optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
         # each client's loss summed over its steps in float64 (train_client's sum), a row of the
@@ -832,7 +846,10 @@ class BatchedTrainer:
                 x, y, mask, count, sizes = indexed.step(step)
             else:
                 x, y, mask, count, sizes = self._augmented_batches(live_schedules, step, device)
-            drops = self._dropout_masks([(s.seed, step) for s in live_schedules], sizes, x.shape[1], device)
+            if group_drops is not None:  # views of the group's masks
+                drops = {i: m[indexed.rows(step), :x.shape[1]] for i, m in group_drops.items()}
+            else:
+                drops = self._dropout_masks([(s.seed, step) for s in live_schedules], sizes, x.shape[1], device)
             lr_L = [s.lr(step) for s in live_schedules]
             self.parts, self.full = self._width_parts(sizes, device), len(set(sizes)) == 1
             for b, lr in zip(live, lr_L):
@@ -899,18 +916,45 @@ class BatchedTrainer:
             x[j, :len(yj)], y[j, :len(yj)], mask[j, :len(yj)] = xj, yj, 1.0
         return x, y, mask, mask.sum(1), [len(yj) for _, yj in batches]
 
+    def _group_dropout_masks(self, indexed: _GroupBatches, schedules: list[Schedule], device) -> dict | None:
+        """Every step's dropout masks of a group at once, [M, W, ...] by layer index for the M
+        (step, client) rows of ``indexed``: one draw a layer for the whole group rather than one a
+        step; the same masks as ``_dropout_masks`` draws a step. None where they would take more
+        than GROUP_DROPOUT_BYTES (each step then draws its own)."""
+        shapes = {layer.index: self.drop_shapes[layer.index] for layer in self.dropouts
+                  if self.drop_shapes.get(layer.index) is not None}
+        M, W = indexed.mask_MW.shape
+        if M * W * sum(math.prod(shape) for shape in shapes.values()) * 4 > GROUP_DROPOUT_BYTES:
+            return None
+        keys = [(schedules[b].seed, step) for b, step in indexed.pairs_M]
+        drops = {}
+        for layer in self.dropouts:
+            shape = shapes.get(layer.index)
+            if shape is None:  # not reached by the forward
+                continue
+            masks = dropout.masks(dropout.keys_C2(keys, layer.index, device), W * math.prod(shape), layer.p)
+            # padding rows zero, as no sample of the client sits there
+            drops[layer.index] = masks.view((M, W) + shape) * indexed.mask_MW.view((M, W) + (1,) * len(shape))
+        return drops
+
     def _dropout_masks(self, keys: list[tuple[int, int]], sizes: list[int], width: int, device) -> dict:
         """The step's dropout masks by layer index, [L, S, ...] each: client j's first
         ``sizes[j]`` rows are the mask train_client draws at its key (client seed, step), the
-        padding rows zero."""
+        padding rows zero. Every client's mask of a layer comes from one counter-based draw
+        (models.dropout.masks): row r of client j's mask is its elements r F .. (r + 1) F - 1."""
         drops = {}
+        rows_L1 = None
         for layer in self.dropouts:
             shape = self.drop_shapes.get(layer.index)
             if shape is None:  # not reached by the forward
                 continue
-            drops[layer.index] = masks = torch.zeros((len(keys), width) + shape, device=device)
-            for j, (key, size) in enumerate(zip(keys, sizes)):
-                masks[j, :size] = dropout.mask(key, layer.index, (size,) + shape, layer.p, device)
+            masks = dropout.masks(dropout.keys_C2(keys, layer.index, device), width * math.prod(shape), layer.p)
+            masks = masks.view((len(keys), width) + shape)
+            if min(sizes) < width:  # padding rows: zero, as no sample of the client sits there
+                if rows_L1 is None:
+                    rows_L1 = torch.arange(width, device=device)[None] < torch.tensor(sizes, device=device)[:, None]
+                masks = masks * rows_L1.view(rows_L1.shape + (1,) * len(shape))
+            drops[layer.index] = masks
         return drops
 
     def _flat_BP(self, stacks_T, rows: list[int], buffers_T=()) -> torch.Tensor:
