@@ -13,7 +13,7 @@ import torch
 
 from .. import plugins
 from ..blocks import block_slices
-from ..registry import SERVER_RULES, weighting_of
+from ..registry import SERVER_RULES, add_server, weighting_of
 from . import kernels
 
 Stacks = dict[str, torch.Tensor]
@@ -142,9 +142,8 @@ class Strategy:
 
 
 def register(strategy: Strategy) -> Strategy:
-    assert strategy.name not in SERVER_RULES, f"server rule {strategy.name} registered twice"
-    SERVER_RULES[strategy.name] = strategy
-    return strategy
+    """A built-in server rule registered by name (registry.add_server: a taken name is refused)."""
+    return add_server(strategy)
 
 
 def plugin_form(strategy: Strategy, name: str) -> Strategy:
