@@ -86,7 +86,7 @@ def _register_server(path: str, obj) -> None:
         raise ConfigError(f"algorithm.name: {path!r} is a {type(obj).__name__}; it must be "
                           f"{plugins.KEYS['algorithm.name']}")
     module = plugins.module_of(path)
-    local = getattr(module, "LOCAL_RULE", "plain")
+    local = getattr(module, "LOCAL_RULE", rules.LocalRule.name)
     weighting = getattr(module, "WEIGHTING", "samples")
     if weighting not in ("samples", "uniform"):
         raise ConfigError(f"algorithm.name: {path!r}: its module's WEIGHTING is {weighting!r}; it must be "

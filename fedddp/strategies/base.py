@@ -134,6 +134,16 @@ class Strategy:
     # start_words(params, expected cohort, P) -> what the start line adds about this rule before
     # round 1 (DP-FedAvg: its noise against its clip); "" for nothing
     start_words: Callable[[dict, float, int], str] | None = None
+    # check_config(cfg, local, params) -> one error line per thing this rule cannot do in the run
+    # cfg beside the local rule ``local`` (params: the rules' resolved values; FedNova's optimizer,
+    # DP-FedAvg's weighting and sampling), said when the config loads and by --check
+    check_config: Callable[[object, str, dict], list[str]] | None = None
+    # closing_words(last metrics row, params) -> what the closing line adds about this rule once the
+    # run is done (DP-FedAvg: the final epsilon); "" for nothing
+    closing_words: Callable[[dict, dict], str] | None = None
+    # the rule's step is FedAvg's weighted mean, the one asynchronous mode (run.mode = async,
+    # FedBuff) applies to its buffered updates: the algorithms with this server rule run async
+    buffered: bool = False
 
     def needs_for(self, hp) -> frozenset[str]:
         return self.needs_fn(hp) if self.needs_fn is not None else self.needs
@@ -168,7 +178,8 @@ def plugin_form(strategy: Strategy, name: str) -> Strategy:
     return dataclasses.replace(strategy, name=name, aggregate=guarded(aggregate, "its aggregate"),
                                aggregate_span=span_form,
                                **{f: guarded(getattr(strategy, f), f"its {f}")
-                                  for f in ("init_state", "ledger", "spent", "check_params")})
+                                  for f in ("init_state", "ledger", "spent", "check_params", "check_config",
+                                          "closing_words")})
 
 
 def get(name: str) -> Strategy:

@@ -23,4 +23,5 @@ def aggregate_span(global_P, stacks, state, hp, span):
     return new_P, state, {}
 
 
-FEDAVG = register(Strategy("fedavg", aggregate, doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span))
+FEDAVG = register(Strategy("fedavg", aggregate, doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span,
+                           buffered=True))

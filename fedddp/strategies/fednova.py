@@ -52,5 +52,21 @@ def aggregate_span(global_P, stacks, state, hp, span):
     return new_P, state, {"tau_eff": tau_eff.float()}
 
 
+def check_config(cfg, local: str, params: dict) -> list[str]:
+    """a_k is the (momentum) SGD one: another optimizer or FedProx's proximal solver has its own."""
+    errors = []
+    if cfg.train.optimizer != "sgd":
+        errors.append(f"train.optimizer: fednova normalises by the (momentum) SGD step count; "
+                      f"{cfg.train.optimizer} has no such a_k here (use sgd)")
+    if local == "prox":
+        errors.append(f"algorithm.local: algorithm.local = {local} with the fednova server rule (algorithm.name = "
+                      f"{cfg.algorithm.name}): FedNova's a_k for FedProx's proximal solver differs from the SGD "
+                      "one implemented here; use another local rule")
+    if not cfg.train.momentum < 1:
+        errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
+    return errors
+
+
 FEDNOVA = register(Strategy("fednova", aggregate, needs=frozenset({"num_steps_K", "client_momentum"}),
-                            doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span))
+                            doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span,
+                            check_config=check_config))

@@ -257,6 +257,24 @@ class LocalRule:
         """One error line per bad value in ``params`` (defaults filled in)."""
         return []
 
+    @classmethod
+    def check_config(cls, cfg, server: str, params: dict) -> list[str]:
+        """One error line per thing this rule cannot do in the run ``cfg`` beside the ``server``
+        rule (``params``: the rules' resolved values), said when the config loads and by --check."""
+        return []
+
+    @classmethod
+    def check_model(cls, cfg, net, task: str, params: dict) -> list[str]:
+        """One error line per thing this rule needs of the built model ``net`` for ``task`` and
+        does not find (MOON: a split into features and head)."""
+        return []
+
+    @classmethod
+    def adapt_model(cls, net, params: dict, num_classes: int):
+        """The model this rule trains, built from the checked ``net`` (MOON adds its projection
+        head); the model itself by default. Every rank builds the same from the same seed."""
+        return net
+
     def begin(self, model, ctx) -> None:
         pass
 

@@ -11,6 +11,15 @@ from .base import LocalRule, param_views
 from .sam import Gam
 
 
+def _not_plain_sgd(train) -> tuple[str, str] | None:
+    """(the key, its words) of what makes ``train`` other than plain SGD; None for plain SGD."""
+    if train.optimizer != "sgd":
+        return "train.optimizer", f"train.optimizer = {train.optimizer}"
+    if train.momentum != 0:
+        return "train.momentum", f"train.momentum = {train.momentum}"
+    return None
+
+
 class ControlVariates:
     """SCAFFOLD's client side, shared by SCAFFOLD and FedGAM-CV: the step direction gets c - c_k;
     after tau steps at mean learning rate lr, option II (scaffold_control = II, FedGAM-CV's
@@ -68,6 +77,17 @@ class Scaffold(ControlVariates, LocalRule):
     def needs_start_gradient(self, hp) -> bool:
         return hp.params["scaffold_control"] == "I"
 
+    @classmethod
+    def check_config(cls, cfg, server: str, params: dict) -> list[str]:
+        """Option II reads the client's mean step direction off (w - w_k) / (tau lr): true for
+        plain SGD only (momentum or Adam move w by something else)."""
+        what = _not_plain_sgd(cfg.train)
+        if what is None or params.get("scaffold_control", "II") != "II":
+            return []
+        return [f"algorithm.params.scaffold_control: option II's c_k+ = c_k - c + (w - w_k) / (tau lr) holds for "
+                f"plain SGD only, not with {what[1]}; set algorithm.params.scaffold_control = I (c_k+ = the "
+                "client's gradient at the global model, valid for any optimizer) or use plain SGD"]
+
 
 class GamCV(ControlVariates, Gam):
     """FedGAM-CV, seed 002 eqs. 20-21: the GAM direction of eq. 19 plus c - c_k; c_k updated as
@@ -75,6 +95,17 @@ class GamCV(ControlVariates, Gam):
 
     name = "gam_cv"
     doc = __doc__
+
+    @classmethod
+    def check_config(cls, cfg, server: str, params: dict) -> list[str]:
+        """Eq. 21 (FedGAM-CV's only option) reads the mean step direction off (w - w_k) / (tau lr):
+        plain SGD only."""
+        what = _not_plain_sgd(cfg.train)
+        if what is None:
+            return []
+        return [f"{what[0]}: FedGAM-CV's c_k update (seed 002 eq. 21) holds for plain SGD only, not with "
+                f"{what[1]}; use train.optimizer = sgd with train.momentum = 0, or algorithm.name = scaffold "
+                "with algorithm.params.scaffold_control = I"]
 
 
 add_local(Scaffold)

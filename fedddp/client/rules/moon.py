@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from ... import models, tasks
 from ...params import at_least_zero, positive
 from ...registry import add_local
 from .base import LocalRule
+
+
+def _outside(net, parts) -> list[str]:
+    """Names of the parameters and buffers of ``net`` that none of ``parts`` holds."""
+    inside = {id(t) for part in parts for t in [*part.parameters(), *part.buffers()]}
+    return [n for n, t in [*net.named_parameters(), *net.named_buffers()] if id(t) not in inside]
 
 
 class Moon(LocalRule):
@@ -31,6 +39,48 @@ class Moon(LocalRule):
     @classmethod
     def check_params(cls, params: dict) -> list[str]:
         return at_least_zero(params, "moon_mu", "moon_proj_dim") + positive(params, "moon_tau")
+
+    @classmethod
+    def check_config(cls, cfg, server: str, params: dict) -> list[str]:
+        if tasks.of_data(cfg.data.name) == "regression":  # known by name: said before any data is read
+            return [f"algorithm.local: algorithm.local = moon with the {server} server rule (algorithm.name = "
+                    f"{cfg.algorithm.name}): MOON is defined for classification; data.name = {cfg.data.name} "
+                    "is a regression task (choose another algorithm.name or algorithm.local)"]
+        return []
+
+    @classmethod
+    def check_model(cls, cfg, net, task: str, params: dict) -> list[str]:
+        """A classifier run as head(features(x)), and a Linear head where the projection head goes."""
+        errors, what = [], f"model.name = {cfg.model.name}"
+        if task != "classification":
+            # MOON's projection head sits between the features and a classifier, and its
+            # contrastive term is part of a cross-entropy objective: neither exists for a regressor.
+            errors.append(f"algorithm.local: MOON is defined for classification; data.name = "
+                          f"{cfg.data.name} is a {task} task (choose another algorithm.name or algorithm.local)")
+        missing = [a for a in ("features", "head") if not isinstance(getattr(net, a, None), nn.Module)]
+        if missing:
+            errors.append(f"model.name: MOON compares representations, so the model must be head(features(x)) "
+                          f"with submodules .features and .head; {what} has no {' and no '.join(missing)} "
+                          "(docs/extending.md, \"MOON\")")
+        elif outside := _outside(net, (net.features, net.head)):
+            errors.append(f"model.name: MOON runs the model as head(features(x)); {what} has tensors outside "
+                          f".features and .head ({', '.join(outside[:3])}); move them into one of the two")
+        elif params["moon_proj_dim"] > 0 and not isinstance(net.head, nn.Linear):
+            errors.append(f"model.name: MOON's projection head (algorithm.params.moon_proj_dim = "
+                          f"{params['moon_proj_dim']}) replaces the classifier .head, "
+                          f"which must be a torch.nn.Linear; {what} has a {type(net.head).__name__} (or set "
+                          "algorithm.params.moon_proj_dim = 0)")
+        return errors
+
+    @classmethod
+    def adapt_model(cls, net, params: dict, num_classes: int):
+        """head(features(x)) as models.Net (the contrastive term reads features, the loss
+        head(...)), with the projection head of MOON's code when moon_proj_dim > 0."""
+        if not isinstance(net, models.Net):
+            net = models.Net(net.features, net.head)
+        if params["moon_proj_dim"] > 0:
+            net = models.add_projection_head(net, params["moon_proj_dim"], num_classes)
+        return net
 
     def begin(self, model, ctx) -> None:
         prev_P = ctx.state.get("prev_P")
