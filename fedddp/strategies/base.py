@@ -151,6 +151,18 @@ class Strategy:
 
 
 
+def gathered(aggregate_span: Callable) -> AggregateFn:
+    """A rule's gathered form derived from its span form: the whole vector as one range of the
+    run's block width (``Span.whole``), so a rule is written once, on a range, and both servers
+    run the same function."""
+    def aggregate(global_P, stacks, state, hp):
+        numel = global_P.numel()
+        return aggregate_span(global_P, stacks, state, hp, Span.whole(numel, block_width(stacks, numel),
+                                                                        global_P.device))
+    aggregate.__doc__ = aggregate_span.__doc__
+    return aggregate
+
+
 def register(strategy: Strategy) -> Strategy:
     """A built-in server rule registered by name (registry.add_server: a taken name is refused)."""
     return add_server(strategy)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, client_weights_K, register
+from .base import Strategy, client_weights_K, gathered, register
 
 
 def normalisers_K(num_steps_K: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
@@ -37,19 +37,16 @@ def _coefficients_K(global_P, stacks, hp):
     return (float(hp.server_lr) * tau_eff * weights_K / a_K).to(global_P.dtype), tau_eff
 
 
-def aggregate(global_P, stacks, state, hp):
-    coef_K, tau_eff = _coefficients_K(global_P, stacks, hp)
-    new_global_P = global_P - coef_K @ (global_P - stacks["params_KP"])
-    return new_global_P, state, {"tau_eff": tau_eff.float()}
-
-
 def aggregate_span(global_P, stacks, state, hp, span):
-    """The same per column, block by block over this rank's range (Strategy.aggregate_span)."""
+    """w - coef_k (w - w_k) summed over k per column, block by block over this rank's range."""
     coef_K, tau_eff = _coefficients_K(global_P, stacks, hp)
     params_KP, new_P = stacks["params_KP"], torch.empty_like(global_P)
     for b in span.blocks:
         new_P[b] = global_P[b] - coef_K @ (global_P[b] - params_KP[:, b])
     return new_P, state, {"tau_eff": tau_eff.float()}
+
+
+aggregate = gathered(aggregate_span)  # one block: the whole vector in one product
 
 
 def check_config(cfg, local: str, params: dict) -> list[str]:

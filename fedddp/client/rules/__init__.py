@@ -58,6 +58,9 @@ for it. MOON alone is classification-only (its projection head feeds a classifie
 run with it is a configuration error), and its contrastive term is its own cross-entropy.
 """
 
+import importlib
+import pkgutil
+
 from ...registry import LOCAL_RULES
 from .base import (LocalRule, OneClient, OneNet, _represent, _shifted, ascent, backward,  # noqa: F401 (tests)
                    one_client_only, param_views, reads_trained_model, step_keys)
@@ -67,6 +70,10 @@ from .sam import Gam, Sam  # noqa: F401
 from .control import ControlVariates, GamCV, Scaffold  # noqa: F401
 from .moon import Moon  # noqa: F401
 from .smoo import Smoo  # noqa: F401
+
+# Any other module of the package registers its rules the same way: a new rule is its file.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 # every local rule by name: the registry's dict (the rules in their own files, fedddp/client/clip.py,
 # and plugins join it too)
