@@ -117,10 +117,14 @@ def _guarded_rule(cls: type, path: str) -> type:
                 return method(self, *args, **kwargs)
         return call
 
-    def check_params(params):
-        with plugins.calling("algorithm.local", f"{path}.check_params"):
-            return cls.check_params(params)
+    def guard_class(hook: str):  # a classmethod of the rule: check_params, check_config, ...
+        method = getattr(cls, hook)
+
+        def call(*args):
+            with plugins.calling("algorithm.local", f"{path}.{hook}"):
+                return method(*args)
+        return staticmethod(call)
 
     hooks = {hook: guard(hook) for hook in ("begin", "loss", "direction", "gradient", "end")}
-    return type(cls.__name__, (cls,), {**hooks, "check_params": staticmethod(check_params),
-                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
+    hooks |= {hook: guard_class(hook) for hook in ("check_params", "check_config", "check_model", "adapt_model")}
+    return type(cls.__name__, (cls,), {**hooks, "__module__": cls.__module__, "__doc__": cls.__doc__})

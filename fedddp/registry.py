@@ -22,7 +22,7 @@ LOCAL_RULES: dict[str, type] = {}
 # algorithm.name -> (local rule in fedddp.client, server rule in fedddp.strategies, the client
 # weights p_k its paper or reference code averages with: samples n_k / n over the sampled clients,
 # or uniform 1/K; algorithm.weighting = auto takes it, sources in docs/algorithms.md). One line
-# an algorithm: a new one is one line here.
+# an algorithm; a new one is one line here or one add_algorithm call in its own file.
 BUILT_IN: dict[str, tuple[str, str, str]] = {
     "fedavg": ("plain", "fedavg", "samples"),            # McMahan et al. 2017, n_k / n
     "fedmom": ("plain", "fedmom", "samples"),            # seed 004, eq. 5

@@ -159,7 +159,7 @@ def gathered(aggregate_span: Callable) -> AggregateFn:
         numel = global_P.numel()
         return aggregate_span(global_P, stacks, state, hp, Span.whole(numel, block_width(stacks, numel),
                                                                         global_P.device))
-    aggregate.__doc__ = aggregate_span.__doc__
+    aggregate.__doc__, aggregate.__module__ = aggregate_span.__doc__, aggregate_span.__module__
     return aggregate
 
 
