@@ -13,9 +13,8 @@ import os
 import pytest
 import torch
 
-import fedddp.algorithms  # noqa: F401 - registers every built-in rule
 from fedddp import registry, strategies
-from fedddp.client import rules
+from fedddp.client import rules  # importing the clients registers every built-in local rule
 from fedddp.strategies import Span
 from test_local_rules import close, make_client, run_client, server_inputs, twin_grad, twin_shapes
 from test_strategies import hp_of
