@@ -192,3 +192,26 @@ def test_feddyn_alpha_zero_is_plain_training():
 def test_feddyn_refuses_alpha_zero_on_the_server():
     errors = strategies.get("feddyn").check_params({"feddyn_alpha": 0.0})
     assert len(errors) == 1 and "feddyn_alpha" in errors[0]
+
+
+def test_feddyn_on_any_number_of_ranks_is_the_gathered_rule():
+    """The sharded server's form (each rank its range, h kept by range) gives the gathered bits on
+    1 to 4 ranks, from a state that is not round 1's."""
+    from test_sharded import _inputs, _on_ranks
+    rule = strategies.get("feddyn")
+    global_P, stacks, _ = _inputs(seed=5)
+    hp = feddyn_hp(0.05)
+    global_P, state, _ = rule.aggregate(global_P, stacks, rule.init_state(global_P, hp), hp)
+    want_P, want_state, _ = rule.aggregate(global_P, stacks, state, hp)
+    for world in (1, 2, 3, 4):
+        new_P, new_state, _ = _on_ranks(rule, global_P, stacks, state, hp, world)
+        assert torch.equal(new_P, want_P) and torch.equal(new_state["dyn_h_P"], want_state["dyn_h_P"]), world
+
+
+@pytest.mark.e2e
+def test_feddyn_runs_through_the_round_loop(tmp_path):
+    """Three rounds through fedddp.round.run: a finite model, other than FedAvg's from the same seed."""
+    from test_local_rules import final_global
+    dyn = final_global(tmp_path, "feddyn", "algorithm.params.feddyn_alpha=0.1")
+    avg = final_global(tmp_path, "fedavg", "algorithm.weighting=uniform")
+    assert torch.isfinite(dyn).all() and (dyn - avg).abs().max() > 1e-4
