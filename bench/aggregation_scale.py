@@ -92,9 +92,10 @@ def _setup(args, comm, layout, K: int, mode: str):
     from fedddp.prepare import server_of, static_stacks
     from fedddp.report import ReportLayout
     from fedddp.sampling import assign_clients, layout_rows
-    cfg = config.Config()
-    cfg.algorithm.name, cfg.run.aggregation, cfg.run.aggregation_block = args.rule, mode, args.block
-    cfg.algorithm = algorithms.resolved(cfg.algorithm)  # the rule's own parameters at their defaults
+    cfg = config.Config(run=config.RunConfig(aggregation=mode, aggregation_block=args.block,
+                                             sampling="fixed"),
+                        # the rule's own parameters at their defaults
+                        algorithm=algorithms.resolved(config.AlgorithmConfig(name=args.rule)))
     strategy = strategies.get(args.rule)
     needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
     report = ReportLayout(needs, layout.numel, len(layout.conv_entries()))
@@ -105,7 +106,8 @@ def _setup(args, comm, layout, K: int, mode: str):
     rows_per_rank, row_order = layout_rows(reporting, comm.world_size, per_rank)
     plan = RoundPlan(1, reporting, reporting, per_rank, [[c] for c in per_rank[comm.rank]], rows_per_rank,
                      row_order, {c: 1 for c in reporting}, {c: 1 for c in reporting}, 0)
-    server = server_of(comm, mode, args.block, strategy, report, static_stacks(needs, cfg, layout, device),
+    server = server_of(comm, mode, args.block, strategy, report,
+                       static_stacks(needs, layout, cfg.cohort(), cfg.run, cfg.train, device),
                        cfg.algorithm, False, (cfg.train.lr, cfg.algorithm.server_lr), global_P,
                        strategy.init_state(global_P, cfg.algorithm))
     rows_MF = server.rows(rows_per_rank)

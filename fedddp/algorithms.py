@@ -22,11 +22,11 @@ from .client import rules
 from .client.optim import check_optimizer
 from .registry import ALGORITHMS, resolve, weighting_of
 
-def describe(cfg) -> str:
-    """The algorithm as the rank-0 start line names it, e.g.
+def describe(hp) -> str:
+    """The algorithm (``hp``: the AlgorithmConfig) as the rank-0 start line names it, e.g.
     'fedgam: gam clients, fedavg server rule, uniform weights'."""
-    local, server = resolve(cfg.algorithm)
-    return f"{cfg.algorithm.name}: {local} clients, {server} server rule, {weighting_of(cfg.algorithm)} weights"
+    local, server = resolve(hp)
+    return f"{hp.name}: {local} clients, {server} server rule, {weighting_of(hp)} weights"
 
 
 def describe_params() -> str:

@@ -79,9 +79,17 @@ def execute(proc: env.ProcessEnv, source, overrides: list[str], result: bool = F
     comm = Comm(proc, cfg.run.device, cfg.run.collective_timeout_s)
     try:
         try:
-            _resume_after_torchrun_restart(cfg, comm)
+            if _restarted_by_torchrun(comm) and not cfg.run.resume:
+                cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=True))
+                if comm.is_main:
+                    print(f"fedddp: restarted by torchrun: resuming from the last checkpoint in "
+                          f"{cfg.run.out_dir}", file=sys.stderr)
             outcome = run_rounds(cfg, comm)
-            return _collect(cfg, comm, outcome) if result else None
+            if not result:
+                return None
+            out_dir = outcome["config"].run.out_dir
+            return Result(_metrics_rows(out_dir, comm), outcome["state_dict"], outcome["config"],
+                          os.path.abspath(out_dir))
         except RuntimeError as exc:  # a collective timed out: a peer that stalled is named, not a traceback
             comm.explain_failure(exc)
             raise
@@ -89,19 +97,18 @@ def execute(proc: env.ProcessEnv, source, overrides: list[str], result: bool = F
         comm.close()
 
 
-def _collect(cfg: config_module.Config, comm, outcome: dict) -> Result:
-    """Every rank holds the final global model (it is broadcast each round); metrics.jsonl is
-    rank 0's, so its rows are broadcast rather than read on the other ranks, whose out_dir may
-    not be the same folder (a node-local path on a cluster)."""
+def _metrics_rows(out_dir: str, comm) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows on every rank: the file is rank 0's, so its rows are broadcast rather
+    than read on the other ranks, whose out_dir may not be the same folder (a node-local path on
+    a cluster). Every rank holds the final global model already (it is broadcast each round)."""
     rows = None
     if comm.is_main:
-        with open(os.path.join(cfg.run.out_dir, "metrics.jsonl")) as fh:
+        with open(os.path.join(out_dir, "metrics.jsonl")) as fh:
             rows = [json.loads(line) for line in fh if line.strip()]
-    rows = comm.broadcast_object(rows)
-    return Result(rows, outcome["state_dict"], cfg, os.path.abspath(cfg.run.out_dir))
+    return comm.broadcast_object(rows)
 
 
-def _resume_after_torchrun_restart(cfg, comm) -> None:
+def _restarted_by_torchrun(comm) -> bool:
     """torchrun --max-restarts=N restarts the whole group after a rank dies: the new workers
     continue from the last checkpoint instead of starting over (docs/launching.md). The count
     is kept per node (an agent whose own workers were healthy restarts them without counting
@@ -109,11 +116,7 @@ def _resume_after_torchrun_restart(cfg, comm) -> None:
     restarts = torch.tensor([float(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)],
                             device=comm.device)
     comm.all_reduce_sum_(restarts)
-    if restarts.item() > 0 and not cfg.run.resume:
-        cfg.run.resume = True
-        if comm.is_main:
-            print(f"fedddp: restarted by torchrun: resuming from the last checkpoint in "
-                  f"{cfg.run.out_dir}", file=sys.stderr)
+    return restarts.item() > 0
 
 
 class _TorchGlobals:

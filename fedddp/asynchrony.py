@@ -295,9 +295,9 @@ def restored(entry: dict, device) -> tuple[Clock, dict[int, torch.Tensor]]:
 
 # -- configuration --------------------------------------------------------------------------
 
-def concurrency(cfg) -> int:
-    """C: run.async_concurrency, or the sampled K when it is 0."""
-    return cfg.run.async_concurrency or cfg.num_sampled()
+def concurrency(rc, num_sampled: int) -> int:
+    """C: run.async_concurrency (``rc``: the RunConfig), or the sampled K when it is 0."""
+    return rc.async_concurrency or num_sampled
 
 
 def allowed_algorithms() -> list[str]:
@@ -310,14 +310,15 @@ def _buffered(server: str) -> bool:
     return getattr(SERVER_RULES.get(server), "buffered", False)
 
 
-def check(cfg) -> list[str]:
-    """Configuration errors of data.client_speed and the async keys, each one line naming its key."""
+def check(rc, dc, hp) -> list[str]:
+    """Configuration errors of data.client_speed and the async keys, each one line naming its key
+    (``rc``, ``dc``, ``hp``: the RunConfig, DataConfig and AlgorithmConfig)."""
     errors = []
     try:  # every client's speed, as the run draws them: a spec whose draws are unusable is refused here
-        client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
+        client_speeds(dc.client_speed, dc.num_clients, dc.seed)
     except ValueError as exc:
         errors.append(f"data.client_speed: {exc}")
-    rc, n = cfg.run, cfg.data.num_clients
+    n = dc.num_clients
     if rc.mode != "async":  # the async keys are read in async mode only
         return errors
     if not 0 <= rc.async_concurrency <= n:
@@ -329,12 +330,12 @@ def check(cfg) -> list[str]:
     if rc.async_staleness_exponent < 0:
         errors.append(f"run.async_staleness_exponent: must be >= 0, got {rc.async_staleness_exponent}")
     try:
-        server = resolve(cfg.algorithm)[1]
+        server = resolve(hp)[1]
     except KeyError:
         return errors  # an unknown algorithm is said by its own check
     if not _buffered(server):
         errors.append(f"run.mode: async runs FedBuff's rule on FedAvg's server step; algorithm.name = "
-                      f"{cfg.algorithm.name} has the {server} server rule; async runs "
+                      f"{hp.name} has the {server} server rule; async runs "
                       f"{', '.join(allowed_algorithms())} (or set run.mode=sync)")
     if rc.parallel_clients not in (1, "auto"):  # auto is 1 in async mode (client/parallel.py)
         errors.append("run.parallel_clients: async mode trains each client from the model version it "

@@ -58,11 +58,12 @@ def start_line(run, ranks: str, form: str, verbose: bool) -> str:
     """The run in one short line: ranks, algorithm, cohort, how clients train. The long form
     (the rules, the weighting, the aggregation's form, why the clients train as they do) with
     --verbose (FEDDDP_VERBOSE=1)."""
+    schedule_words = describe_schedule(run.cfg.run, run.cfg.cohort())
     if verbose:
-        return (f"fedddp: {ranks}; {describe_algorithm(run.cfg)}; {describe_schedule(run.cfg)}; "
+        return (f"fedddp: {ranks}; {describe_algorithm(run.cfg.algorithm)}; {schedule_words}; "
                 f"aggregation: {form}; {run.clients_note}")
     how = run.clients_note.split(" (", 1)[0].split(";", 1)[0]
-    return (f"fedddp: {ranks}; {run.cfg.algorithm.name}; {describe_schedule(run.cfg)}; {how} "
+    return (f"fedddp: {ranks}; {run.cfg.algorithm.name}; {schedule_words}; {how} "
             "(--verbose says more)")
 
 

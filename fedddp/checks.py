@@ -9,6 +9,7 @@ call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Mapping
@@ -31,10 +32,9 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
     config.refuse(errors, path)
     # resolved once, so config.toml, the start line and every rule see the same weighting,
     # sampling and rule parameters (the declared defaults filled in)
-    cfg.algorithm.weighting = weighting_of(cfg.algorithm)
-    cfg.run.sampling = algorithms.sampling_of(cfg)
-    cfg.algorithm.params = algorithms.resolved(cfg.algorithm).params
-    return cfg
+    hp = algorithms.resolved(cfg.algorithm)
+    return dataclasses.replace(cfg, algorithm=dataclasses.replace(hp, weighting=weighting_of(hp)),
+                               run=dataclasses.replace(cfg.run, sampling=algorithms.sampling_of(cfg)))
 
 
 def validate(cfg: config.Config) -> list[str]:
@@ -44,8 +44,8 @@ def validate(cfg: config.Config) -> list[str]:
     # a key whose import failed is said once: what the later checks say of it (an "unknown
     # algorithm" that is only not imported) follows from that failure and would mislead
     failed = {e.split(":", 1)[0] for e in errors}
-    rest = (config.check_fields(cfg) + algorithms.check_algorithm(cfg) + participation.check(cfg) + batched.check(cfg)
-            + asynchrony.check(cfg))
+    rest = (config.check_fields(cfg) + algorithms.check_algorithm(cfg) + participation.check(cfg.run, cfg.train)
+            + batched.check(cfg) + asynchrony.check(cfg.run, cfg.data, cfg.algorithm))
     return errors + [e for e in rest if e.split(":", 1)[0] not in failed]
 
 

@@ -34,7 +34,7 @@ def opt(default: Any, doc: str, choices: tuple | None = None, plugin: bool = Fal
     return field(default=default, metadata={"doc": doc, "choices": choices, "plugin": plugin})
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     rounds: int = opt(20, "Number of communication rounds (rounds are counted from 1).")
     seed: int = opt(0, "Seed for training: model initialisation, client sampling and local shuffling. "
@@ -181,7 +181,7 @@ RESUME_MAY_CHANGE = frozenset({
     "run.client_eval_steps", "run.callbacks"})
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     name: str = opt("synthetic", "Data set: a built-in one; tensors (arrays in the file data.path); or "
                                  "module:attr, your callable (root, seed) -> mapping of arrays "
@@ -239,7 +239,7 @@ class DataConfig:
                        "variation over data draws.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = opt("logistic", "Model. ffnn: seed 004's regressor (20-30-20 tanh, sigmoid output), "
                                 "for regression data (cmapss). module:attr: your callable (input_shape, "
@@ -249,7 +249,7 @@ class ModelConfig:
     flat_buffers: bool = opt(True, "Send buffers (BatchNorm statistics) with the parameters and average them.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     optimizer: str = opt("sgd", "Client optimizer. Built fresh for each client each round (the papers' "
                                 "default): no momentum buffer, Adam moment or RMSGD metric survives a round.",
@@ -285,7 +285,7 @@ class TrainConfig:
                                  "does local_epochs (steps then scale with the client's size) or local_steps.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: str = opt("fedavg", "Federated algorithm (see docs/algorithms.md), or module:attr, your server "
                               "rule (docs/extending.md).")
@@ -343,7 +343,19 @@ BEFORE_THE_KEY: dict[str, Any] = {
     "algorithm.params.dp_noise_cohort": 0}
 
 
-@dataclass
+@dataclass(frozen=True)
+class Cohort:
+    """Who a round samples, from run.sampling (resolved: fixed or poisson), run.clients_per_round,
+    run.participation and data.num_clients (``Config.cohort``)."""
+
+    num_clients: int   # N
+    poisson: bool      # each client independently with probability ``rate``; else exactly ``num_sampled``
+    num_sampled: int   # K, fixed-size sampling's clients a round
+    rate: float        # q, Poisson sampling's probability
+    expected: float    # clients a round on average: K, or q N under Poisson sampling
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -371,6 +383,12 @@ class Config:
             return float(self.run.clients_per_round) if self.run.clients_per_round > 0 else \
                 self.run.participation * self.data.num_clients
         return float(self.num_sampled())
+
+    def cohort(self) -> Cohort:
+        """Who a round samples; run.sampling must be resolved (fedddp.checks.load, prepare.prepare)."""
+        assert self.run.sampling != "auto", "run.sampling = auto is resolved when the config loads"
+        return Cohort(self.data.num_clients, self.run.sampling == "poisson", self.num_sampled(),
+                      self.sampling_rate(), self.expected_cohort())
 
     def data_root(self) -> str:
         return self.data.root or os.environ.get("FEDDDP_DATA", "") or "data"
@@ -434,9 +452,10 @@ def _parses_as(word: str, typ: type) -> bool:
 
 
 def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None, text: bool = False) -> Config:
-    """TOML tables (or, with ``text``, override strings) into ``cfg`` (default: a fresh Config);
-    every error is appended, and a bad value leaves the field as it was."""
+    """TOML tables (or, with ``text``, override strings) over ``cfg`` (default: a fresh Config),
+    as a new Config; every error is appended, and a bad value leaves the field as it was."""
     cfg = Config() if cfg is None else cfg
+    sections = {}
     for section, table in raw.items():
         if section == "sweep":  # read by fedddp.study.sweep, which runs the file's base config per combination
             errors.append("sweep: this file is a sweep; run it with python -m fedddp.study.sweep FILE")
@@ -448,61 +467,69 @@ def from_dict(raw: dict[str, Any], errors: list[str], cfg: Config | None = None,
             errors.append(f"{section}: expected a table")
             continue
         target = getattr(cfg, section)
-        types = _section_types(type(target))
-        for key, value in table.items():
-            path = f"{section}.{key}"
-            if section == "algorithm" and (key == "params" or key.startswith("params.") or key in ALIASES):
-                _set_params(target, key, value, path, errors, text)
-                continue
-            if key not in types:
-                near = close_match(key, types)
-                hint = f", did you mean {section}.{near}?" if near else ""
-                errors.append(f"{path}: unknown key{hint} (valid: {', '.join(types)})")
-                continue
-            if path == "run.callbacks" and isinstance(value, list) and all(isinstance(v, str) for v in value):
-                value = ",".join(value)  # a TOML list of import paths, as the comma-separated string
-            coerced = _coerce(value, types[key], path, errors, text)
-            if coerced is not None:
-                setattr(target, key, coerced)
-    return cfg
+        sections[section] = dataclasses.replace(target, **_section_values(section, target, table, errors, text))
+    return dataclasses.replace(cfg, **sections)
 
 
-def _set_params(target, key: str, value: Any, path: str, errors: list[str], text: bool) -> None:
-    """Into ``target.params`` (NAME -> value for the run's rules, RULE -> {NAME: value} for one
+def _section_values(section: str, target, table: dict[str, Any], errors: list[str], text: bool) -> dict[str, Any]:
+    """The fields of one section that ``table`` sets, coerced to their types (errors appended)."""
+    types = _section_types(type(target))
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        path = f"{section}.{key}"
+        if section == "algorithm" and (key == "params" or key.startswith("params.") or key in ALIASES):
+            values["params"] = _set_params(values.get("params", target.params), key, value, path, errors, text)
+            continue
+        if key not in types:
+            near = close_match(key, types)
+            hint = f", did you mean {section}.{near}?" if near else ""
+            errors.append(f"{path}: unknown key{hint} (valid: {', '.join(types)})")
+            continue
+        if path == "run.callbacks" and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)  # a TOML list of import paths, as the comma-separated string
+        coerced = _coerce(value, types[key], path, errors, text)
+        if coerced is not None:
+            values[key] = coerced
+    return values
+
+
+def _set_params(params: dict, key: str, value: Any, path: str, errors: list[str], text: bool) -> dict:
+    """``params`` with ``key`` set (NAME -> value for the run's rules, RULE -> {NAME: value} for one
     rule): ``[algorithm.params]`` and ``[algorithm.params.RULE]`` (TOML tables), one override
     ``algorithm.params.NAME=value`` or ``algorithm.params.RULE.NAME=value`` (the value read as a
     TOML value: ``0.5``, ``true``, ``"x"``, else taken as a string; RULE may hold dots, as a
-    module:attr path does, NAME does not), or an old flat key (ALIASES) into its rules' tables."""
+    module:attr path does, NAME does not), or an old flat key (ALIASES) into its rules' tables.
+    A refused value leaves ``params`` as it was."""
     if key == "params":
         if not isinstance(value, dict):
             errors.append(f"{path}: expected a table [algorithm.params], got {type(value).__name__} {value!r}")
-            return
+            return params
         for name, item in value.items():
-            _set_params(target, f"params.{name}", item, f"{path}.{name}", errors, text=False)
-        return
+            params = _set_params(params, f"params.{name}", item, f"{path}.{name}", errors, text=False)
+        return params
     if text:
         try:
             value = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:
             pass  # a bare word is a string
     if key in ALIASES:
-        tables = {rule: {**_table(target.params, rule), key: value} for rule in ALIASES[key]}
+        tables = {rule: {**_table(params, rule), key: value} for rule in ALIASES[key]}
     elif isinstance(value, dict):  # a table [algorithm.params.RULE]; RULE is the whole rest
         rule = key.removeprefix("params.")
-        tables = {rule: {**_table(target.params, rule), **value}}
+        tables = {rule: {**_table(params, rule), **value}}
     else:
         rule, _, name = key.removeprefix("params.").rpartition(".")
-        tables = {rule: {**_table(target.params, rule), name: value}} if rule else {name: value}
+        tables = {rule: {**_table(params, rule), name: value}} if rule else {name: value}
     for rule, table in tables.items():
         for name, item in (table.items() if isinstance(table, dict) else [("", table)]):
             if isinstance(item, float) and not math.isfinite(item):
                 errors.append(f"{path}: must be a finite number, got {item}")
-                return
+                return params
             if not rule or (isinstance(table, dict) and not name) or not _param_value_ok(item):
                 errors.append(f"{path}: a parameter is algorithm.params.NAME (or algorithm.params.RULE.NAME) = "
                               f"a number, bool, string or list of them, got {item!r}")
-                return
-    target.params = {**target.params, **tables}
+                return params
+    return {**params, **tables}
 
 
 def _table(params: dict, rule: str) -> dict:

@@ -53,14 +53,14 @@ def reporting_rows(num_steps_K: torch.Tensor, deadline_steps: int) -> torch.Tens
     return torch.nonzero(num_steps_K <= deadline_steps).flatten()
 
 
-def check(cfg) -> list[str]:
-    """Configuration errors of the fields above, each naming its dotted path."""
+def check(rc, tc) -> list[str]:
+    """Configuration errors of the fields above (``rc``, ``tc``: the RunConfig and TrainConfig),
+    each naming its dotted path."""
     errors = []
-    if not 0.0 <= cfg.run.dropout <= 1.0:
-        errors.append(f"run.dropout: must be in [0, 1], got {cfg.run.dropout}")
-    if cfg.run.deadline_steps < 0:
-        errors.append(f"run.deadline_steps: must be >= 0 (0: no deadline), got {cfg.run.deadline_steps}")
-    tc = cfg.train
+    if not 0.0 <= rc.dropout <= 1.0:
+        errors.append(f"run.dropout: must be in [0, 1], got {rc.dropout}")
+    if rc.deadline_steps < 0:
+        errors.append(f"run.deadline_steps: must be >= 0 (0: no deadline), got {rc.deadline_steps}")
     most, key = (tc.local_steps, "train.local_steps") if tc.local_steps > 0 else (tc.local_epochs, "train.local_epochs")
     if not 0 <= tc.local_work_min <= most:
         errors.append(f"train.local_work_min: must be in [0, {key} = {most}] (0: equal work), got {tc.local_work_min}")

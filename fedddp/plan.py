@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import asynchrony, participation
-from .algorithms import sampling_of
+from .config import Cohort, RunConfig, TrainConfig
 from .client import planned_steps
 from .sampling import assign_clients, assign_groups, layout_rows, sample_clients, sample_poisson
 
@@ -52,14 +52,14 @@ class RoundPlan:
         return bool(self.deadline_steps) and self.steps_of[cid] > self.deadline_steps
 
 
-def plan_round(cfg, round_idx: int, num_samples: list[int], cost_K: list[int], rank: int,
-               world_size: int, balanced: bool) -> RoundPlan:
-    """sample -> drop -> assign: the round's clients, who trains them and their report rows."""
-    rc = cfg.run
-    if sampling_of(cfg) == "poisson":  # each client with probability q: the cohort may be empty
-        sampled = sample_poisson(cfg.data.num_clients, cfg.sampling_rate(), rc.seed, round_idx)
+def plan_round(rc: RunConfig, tc: TrainConfig, cohort: Cohort, round_idx: int, num_samples: list[int],
+               cost_K: list[int], rank: int, world_size: int, balanced: bool) -> RoundPlan:
+    """sample -> drop -> assign: the round's clients, who trains them and their report rows
+    (``rc``, ``tc``: the run's and the local training's settings)."""
+    if cohort.poisson:  # each client with probability q: the cohort may be empty
+        sampled = sample_poisson(cohort.num_clients, cohort.rate, rc.seed, round_idx)
     else:
-        sampled = sample_clients(cfg.data.num_clients, cfg.num_sampled(), rc.seed, round_idx)
+        sampled = sample_clients(cohort.num_clients, cohort.num_sampled, rc.seed, round_idx)
     reporting = [c for c in sampled if not participation.drops_out(rc.dropout, rc.seed, round_idx, c)]
     if rc.parallel_clients > 1:  # groups trained side by side, cut whatever the world size
         per_rank, groups_R = assign_groups(reporting, cost_K.__getitem__, world_size, balanced, rc.parallel_clients)
@@ -69,8 +69,8 @@ def plan_round(cfg, round_idx: int, num_samples: list[int], cost_K: list[int], r
         groups = [[c] for c in per_rank[rank]]
     rows_per_rank, row_order = layout_rows(reporting, world_size, per_rank)
     # every reporting client's work and steps, alike on every rank, so all agree on the stragglers
-    work_of = {c: participation.local_work(cfg.train, rc.seed, round_idx, c) for c in reporting}
-    steps_of = {c: planned_steps(num_samples[c], cfg.train, work_of[c]) for c in reporting}
+    work_of = {c: participation.local_work(tc, rc.seed, round_idx, c) for c in reporting}
+    steps_of = {c: planned_steps(num_samples[c], tc, work_of[c]) for c in reporting}
     return RoundPlan(round_idx, sampled, reporting, per_rank, groups, rows_per_rank, row_order, work_of, steps_of,
                      rc.deadline_steps)
 
@@ -80,35 +80,38 @@ def evaluates(rc, round_idx: int) -> bool:
     return not round_idx % rc.eval_every or round_idx == rc.rounds
 
 
-def describe(cfg) -> str:
+def describe(rc: RunConfig, cohort: Cohort) -> str:
     """The start line's words on who trains when: K of N a round, Poisson sampling, or async."""
-    rc, n = cfg.run, cfg.data.num_clients
+    n = cohort.num_clients
     if rc.mode == "async":
         staleness = (f"(1 + tau)^-{rc.async_staleness_exponent:g}" if rc.async_staleness == "polynomial"
                      else "constant")
-        return (f"async (FedBuff): {asynchrony.concurrency(cfg)} of {n} clients training at once on the "
-                f"simulated clock, a server update every {rc.async_buffer} arrivals, staleness weight {staleness}")
-    if sampling_of(cfg) == "poisson":
-        return f"each of {n} clients a round with probability {cfg.sampling_rate():g} (Poisson sampling)"
-    return f"{cfg.num_sampled()} of {n} clients a round"
+        return (f"async (FedBuff): {asynchrony.concurrency(rc, cohort.num_sampled)} of {n} clients training at "
+                f"once on the simulated clock, a server update every {rc.async_buffer} arrivals, staleness "
+                f"weight {staleness}")
+    if cohort.poisson:
+        return f"each of {n} clients a round with probability {cohort.rate:g} (Poisson sampling)"
+    return f"{cohort.num_sampled} of {n} clients a round"
 
 
 class SyncRounds:
     """Synchronous rounds: each samples its cohort afresh; the simulated clock advances by the
     slowest client that trained and reported."""
 
-    def __init__(self, cfg, num_samples: list[int], cost_K: list[int], speeds: list[float], comm, balanced: bool):
-        self.cfg, self.num_samples, self.cost_K, self.speeds = cfg, num_samples, cost_K, speeds
+    def __init__(self, rc: RunConfig, tc: TrainConfig, cohort: Cohort, num_samples: list[int], cost_K: list[int],
+                 speeds: list[float], comm, balanced: bool):
+        self.rc, self.tc, self.cohort = rc, tc, cohort
+        self.num_samples, self.cost_K, self.speeds = num_samples, cost_K, speeds
         self.rank, self.world_size, self.balanced = comm.rank, comm.world_size, balanced
         self.sim_time_s = 0.0  # the simulated clock after the last round
 
     def plan(self, round_idx: int, global_P: torch.Tensor) -> RoundPlan:
-        return plan_round(self.cfg, round_idx, self.num_samples, self.cost_K, self.rank, self.world_size,
-                          self.balanced)
+        return plan_round(self.rc, self.tc, self.cohort, round_idx, self.num_samples, self.cost_K, self.rank,
+                          self.world_size, self.balanced)
 
     def reporting(self, round_idx: int) -> bool:
         """Whether the round writes the privacy spent: the rounds that evaluate."""
-        return evaluates(self.cfg.run, round_idx)
+        return evaluates(self.rc, round_idx)
 
     def arrived(self, is_main: bool, rows, report, global_P: torch.Tensor) -> dict:
         return {}
@@ -144,12 +147,13 @@ class FedBuffUpdates:
     they train from those versions (kept while a training client refers to one), rank 0 turns
     their models into staleness-weighted updates and FedAvg's server step applies them."""
 
-    def __init__(self, cfg, num_samples: list[int], cost_K: list[int], speeds: list[float], comm, balanced: bool):
-        self.cfg, self.num_samples, self.cost_K = cfg, num_samples, cost_K
+    def __init__(self, rc: RunConfig, tc: TrainConfig, cohort: Cohort, num_samples: list[int], cost_K: list[int],
+                 speeds: list[float], comm, balanced: bool):
+        self.rc, self.tc, self.num_samples, self.cost_K = rc, tc, num_samples, cost_K
         self.rank, self.world_size, self.balanced = comm.rank, comm.world_size, balanced
-        rc = cfg.run
-        self.sched = asynchrony.Schedule(cfg.data.num_clients, asynchrony.concurrency(cfg), rc.async_buffer, rc.seed,
-                                         tuple(speeds), lambda cid, start: self._steps(cid, start)[1])
+        self.sched = asynchrony.Schedule(cohort.num_clients, asynchrony.concurrency(rc, cohort.num_sampled),
+                                         rc.async_buffer, rc.seed, tuple(speeds),
+                                         lambda cid, start: self._steps(cid, start)[1])
         self.clock = asynchrony.Clock()   # the schedule after the last update
         self.versions: dict[int, torch.Tensor] = {}  # the model versions training clients started from
         self.before: asynchrony.Clock | None = None   # this update's: the clock before it, its arrivals
@@ -163,8 +167,8 @@ class FedBuffUpdates:
         """(local epochs or steps drawn, planned optimizer steps) of a client's training started as
         start number ``start``: drawn as a round's work is, with the start number in place of the
         round."""
-        work = participation.local_work(self.cfg.train, self.cfg.run.seed, start, cid)
-        return work, planned_steps(self.num_samples[cid], self.cfg.train, work)
+        work = participation.local_work(self.tc, self.rc.seed, start, cid)
+        return work, planned_steps(self.num_samples[cid], self.tc, work)
 
     def plan(self, round_idx: int, global_P: torch.Tensor) -> RoundPlan:
         """An update as a round's plan: its arrivals are the reporting clients (distinct, in
@@ -179,7 +183,7 @@ class FedBuffUpdates:
         rows_per_rank, row_order = layout_rows(clients, self.world_size, per_rank)
         drawn = {c: self._steps(c, of[c].start) for c in clients}
         starts = {c: ClientStart(of[c].version + 1, self.versions[of[c].version],
-                                 asynchrony.training_seed(self.cfg.run.seed, of[c].start, c)) for c in clients}
+                                 asynchrony.training_seed(self.rc.seed, of[c].start, c)) for c in clients}
         return RoundPlan(round_idx, clients, clients, per_rank, [[c] for c in per_rank[self.rank]], rows_per_rank,
                          row_order, {c: w for c, (w, _) in drawn.items()}, {c: n for c, (_, n) in drawn.items()}, 0,
                          starts)
@@ -192,7 +196,7 @@ class FedBuffUpdates:
         w + s(tau_k) (w_k - w_{v_k}) in its row (asynchrony.buffered_rows_), tau_k = the versions
         since it started. Returns the update's simulated clock and staleness for metrics.jsonl
         and, per client in client-id order, for clients.jsonl."""
-        rc, before = self.cfg.run, self.before
+        rc, before = self.rc, self.before
         ordered = sorted(self.arrivals, key=lambda f: f.client)
         if is_main:
             weights = [asynchrony.staleness_weight(before.version - f.version, rc.async_staleness,
@@ -215,6 +219,6 @@ class FedBuffUpdates:
         self.clock, self.versions = asynchrony.restored(saved["async"], device)
 
 
-def schedule_of(cfg, *args) -> SyncRounds | FedBuffUpdates:
-    """The run's schedule, chosen once at setup by run.mode. ``args``: the schedules'."""
-    return (FedBuffUpdates if cfg.run.mode == "async" else SyncRounds)(cfg, *args)
+def schedule_of(rc: RunConfig, *args) -> SyncRounds | FedBuffUpdates:
+    """The run's schedule, chosen once at setup by run.mode. ``args``: the schedules' after ``rc``."""
+    return (FedBuffUpdates if rc.mode == "async" else SyncRounds)(rc, *args)

@@ -77,8 +77,9 @@ class Run:
 def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     """The run's parts on this rank, the model broadcast from rank 0; config.toml and the logs
     are rank 0's book (book.py)."""
+    # auto sampling resolved (checks.load has done it for a loaded config; a hand-made one may not)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sampling=sampling_of(cfg)))
     rc = cfg.run
-    rc.sampling = sampling_of(cfg)  # auto resolved (checks.load has done it for a loaded config)
     torch.set_num_threads(rc.num_threads)
     # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
     torch.set_default_dtype(torch.float32)
@@ -102,11 +103,14 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()
     checkpoints = Checkpoints(os.path.join(rc.out_dir, "checkpoints"))
-    # run.parallel_clients = auto becomes the B this run uses (in cfg: config.toml and the
-    # checkpoints' identity record it); on resume the checkpoint's B, which decides the bits
+    # run.parallel_clients = auto becomes the B this run uses: the run's config holds it from here
+    # on (config.toml and the checkpoints' identity record it); on resume the checkpoint's B,
+    # which decides the bits
     resumed = checkpoint.identity_of(checkpoint.round_dir(checkpoints.root, resume_round)).get(
         "run.parallel_clients", 1) if resume_round and rc.parallel_clients == parallel.AUTO else None
-    clients_note = parallel.resolve(cfg, comm, model, layout, data, ids, task, resumed)
+    b, clients_note = parallel.resolve(cfg, comm, model, layout, data, ids, task, resumed)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(rc, parallel_clients=b))
+    rc = cfg.run
     clients_note += _precision_words(cfg.train.precision, rc.compile, rc.parallel_clients, device)
     trainer = trainer_of(rc.parallel_clients, model, layout, cfg, rule, needs, task)
     speeds = refuse_before_round_one(cfg, model, data, trainer.batched, ids)
@@ -116,11 +120,12 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
         rc.out_dir, "client_state", f"rank{comm.rank}"))
     report = ReportLayout(needs, layout.numel, len(layout.conv_entries()))
     cost_K = [expected_cost(n, cfg.train) for n in data.num_samples]
+    cohort = cfg.cohort()
     server = server_of(comm, rc.aggregation, rc.aggregation_block, strategy, report,
-                       static_stacks(needs, cfg, layout, device), cfg.algorithm,
-                       strategy.private and rc.sampling == "poisson", (cfg.train.lr, cfg.algorithm.server_lr),
+                       static_stacks(needs, layout, cohort, rc, cfg.train, device), cfg.algorithm,
+                       strategy.private and cohort.poisson, (cfg.train.lr, cfg.algorithm.server_lr),
                        global_P, strategy.init_state(global_P, cfg.algorithm))
-    schedule = schedule_of(cfg, data.num_samples, cost_K, speeds, comm, balanced)
+    schedule = schedule_of(rc, cfg.train, cohort, data.num_samples, cost_K, speeds, comm, balanced)
     start_round = _resume(comm, resume_round, checkpoints, owned, client_states, server, schedule) + 1
     run = Run(cfg, data, task, model, layout, strategy, rule, trainer, report, client_states, balanced, cost_K,
               server, schedule, checkpoints, start_round, clients_note,
@@ -213,31 +218,32 @@ def refuse_before_round_one(cfg: config.Config, model, data, batched: BatchedTra
         raise ConfigError(f"data.client_speed: {exc}") from None
 
 
-def static_stacks(needs: frozenset, cfg, layout: FlatLayout, device) -> dict[str, torch.Tensor]:
+def static_stacks(needs: frozenset, layout: FlatLayout, cohort: config.Cohort, rc: config.RunConfig,
+                  tc: config.TrainConfig, device) -> dict[str, torch.Tensor]:
     """Stacks that are not client reports but fixed for the run: conv_runs_R3 (FedER),
     param_mask_P (FedSMOO), and the scalars num_clients (N: SCAFFOLD, FedSMOO, DP-FedAvg),
-    client_momentum (FedNova's rho), num_sampled (K, or the expected cohort q N under Poisson
-    sampling), sampling_rate (q), poisson and noise_seed (DP-FedAvg), aggregation_block (CGW,
-    DP-FedAvg: the block width of their sums over the whole vector)."""
+    client_momentum (FedNova's rho, train.momentum), num_sampled (K, or the expected cohort q N
+    under Poisson sampling), sampling_rate (q), poisson and noise_seed (DP-FedAvg: run.seed),
+    aggregation_block (CGW, DP-FedAvg: the block width of their sums over the whole vector)."""
     static = {}
     if "conv_runs_R3" in needs:
         static["conv_runs_R3"] = layout.conv_runs_R3().to(device)
     if "param_mask_P" in needs:
         static["param_mask_P"] = layout.param_mask_P(device)
     if "num_clients" in needs:
-        static["num_clients"] = torch.tensor(float(cfg.data.num_clients), device=device)
+        static["num_clients"] = torch.tensor(float(cohort.num_clients), device=device)
     if "client_momentum" in needs:
-        static["client_momentum"] = torch.tensor(float(cfg.train.momentum), device=device)
+        static["client_momentum"] = torch.tensor(float(tc.momentum), device=device)
     if "num_sampled" in needs:
-        static["num_sampled"] = torch.tensor(cfg.expected_cohort(), device=device)
+        static["num_sampled"] = torch.tensor(cohort.expected, device=device)
     if "sampling_rate" in needs:
-        static["sampling_rate"] = torch.tensor(cfg.sampling_rate(), dtype=torch.float64)
+        static["sampling_rate"] = torch.tensor(cohort.rate, dtype=torch.float64)
     if "poisson" in needs:
-        static["poisson"] = torch.tensor(cfg.run.sampling == "poisson")
+        static["poisson"] = torch.tensor(cohort.poisson)
     if "noise_seed" in needs:
-        static["noise_seed"] = torch.tensor(cfg.run.seed, dtype=torch.int64)
+        static["noise_seed"] = torch.tensor(rc.seed, dtype=torch.int64)
     if "aggregation_block" in needs:
-        static["aggregation_block"] = torch.tensor(cfg.run.aggregation_block, dtype=torch.int64)
+        static["aggregation_block"] = torch.tensor(rc.aggregation_block, dtype=torch.int64)
     return static
 
 
@@ -253,7 +259,8 @@ def _side_by_side_on_cpu(run: Run, comm) -> str:
     last = min(cfg.run.rounds, first + PREDICTED_ROUNDS - 1)
     timed, groups = [], []  # the clients of the first group; every group's planned steps
     for round_idx in range(first, last + 1):
-        plan = plan_round(cfg, round_idx, run.data.num_samples, run.cost_K, comm.rank, comm.world_size, run.balanced)
+        plan = plan_round(cfg.run, cfg.train, cfg.cohort(), round_idx, run.data.num_samples, run.cost_K, comm.rank,
+                          comm.world_size, run.balanced)
         for group in plan.groups:
             trained = [c for c in group if run.data.num_samples[c] and not plan.straggles(c)]
             if trained:

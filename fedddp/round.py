@@ -33,7 +33,8 @@ def run(cfg: config.Config, comm) -> dict:
     """One run, start to end. Before any data is loaded rank 0 checks and locks ``run.out_dir``
     (held to the end) and decides where the run starts: a fresh run refuses a folder holding
     results unless ``run.overwrite``; a resume takes the newest complete checkpoint of the
-    same run identity and cuts the metrics files back to its round."""
+    same run identity and cuts the metrics files back to its round. Returns the last round run,
+    the model and the run's config with its start-time choices resolved (run.parallel_clients)."""
     lock, error, resume_round = None, None, 0
     if comm.is_main:
         try:
@@ -220,4 +221,4 @@ def _finish(run: Run, comm, book: Book | None, last_round: int) -> dict:
         agree_with_rank_zero(comm, error)
     comm.barrier()
     run.client_states.close()
-    return {"last_round": last_round, "global_P": run.server.global_P, "state_dict": final}
+    return {"last_round": last_round, "global_P": run.server.global_P, "state_dict": final, "config": run.cfg}

@@ -58,13 +58,9 @@ def _register(name: str) -> None:
     from . import checks
     from .client.rules import LocalRule
 
-    cfg = config.Config()
     rule = plugins.get(name, "algorithm.name")
-    if isinstance(rule, type) and issubclass(rule, LocalRule):
-        cfg.algorithm.local = name
-    else:
-        cfg.algorithm.name = name
-    errors = checks.register_plugins(cfg)
+    key = "local" if isinstance(rule, type) and issubclass(rule, LocalRule) else "name"
+    errors = checks.register_plugins(config.Config(algorithm=config.AlgorithmConfig(**{key: name})))
     if errors:
         raise ConfigError(errors[0])
 

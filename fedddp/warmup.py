@@ -30,15 +30,16 @@ import torch
 SERVER_DEVICES = ("cuda",)
 
 
-def needed(cfg, device) -> bool:
-    """Whether the run warms up: on CUDA, or with run.compile (its graph compiles on first use)."""
-    return device.type == "cuda" or bool(cfg.run.compile and cfg.run.parallel_clients > 1)
+def needed(rc, device) -> bool:
+    """Whether the run warms up: on CUDA, or with run.compile (its graph compiles on first use) and
+    clients side by side (``rc``: the run's RunConfig, run.parallel_clients resolved)."""
+    return device.type == "cuda" or bool(rc.compile and rc.parallel_clients > 1)
 
 
 def warm_up(run, comm) -> str:
     """The warm-up of a run (fedddp.prepare.Run) on this rank; words for the start line, or ""."""
     cfg, device = run.cfg, comm.device
-    if not needed(cfg, device):
+    if not needed(cfg.run, device):
         return ""
     start, skipped = time.perf_counter(), []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -65,7 +66,7 @@ def _local(run, comm) -> None:
         return
     batched = getattr(run.trainer, "batched", None)
     if batched is not None:
-        batched.warm_up(data, int(run.cfg.run.parallel_clients))
+        batched.warm_up(data, run.cfg.run.parallel_clients)
         return
     model, tc = run.model, run.cfg.train
     saved = {k: v.clone() for k, v in model.state_dict().items()}

@@ -373,4 +373,4 @@ def test_async_same_bits_on_one_and_two_ranks(tmp_path):
 def test_the_start_line_says_who_trains_when(overrides, words):
     from fedddp import plan
     cfg = checks.load(os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.toml"), overrides)
-    assert plan.describe(cfg) == words
+    assert plan.describe(cfg.run, cfg.cohort()) == words

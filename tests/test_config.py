@@ -1,5 +1,7 @@
 """Config loading: typed fields, dotted overrides, every error reported at once, exit status 2."""
 
+import copy
+import dataclasses
 import os
 import subprocess
 import sys
@@ -52,6 +54,37 @@ def test_choice_and_impossible_values(tmp_path):
 def test_bool_must_be_true_or_false():
     with pytest.raises(ConfigError, match="run.resume: expected bool"):
         checks.load(None, ["run.resume=yes"])
+
+
+def test_the_loaded_config_is_frozen():
+    """No module writes to the config after load: "auto" choices resolved at the start of a run
+    (run.parallel_clients) make the run's own config (dataclasses.replace) instead of writing
+    into the one the caller holds, which a sweep or a second fedddp.run would see changed."""
+    cfg = checks.load(None, ["algorithm.name=fedprox"])
+    for section in config.SECTIONS:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(cfg, section, getattr(cfg, section))
+        part = getattr(cfg, section)
+        for f in dataclasses.fields(part):
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                setattr(part, f.name, getattr(part, f.name))
+
+
+def test_a_run_completes_with_a_frozen_config(tmp_path):
+    """The run resolves run.parallel_clients = auto into its own config (the Result's, config.toml's)
+    and leaves the loaded one as it was."""
+    from fedddp.comm import Comm
+    from fedddp.env import ProcessEnv
+    from fedddp.round import run
+
+    cfg = checks.load(None, ["run.rounds=2", "data.num_clients=4", "run.clients_per_round=2", "run.progress=false",
+                             f"run.out_dir={tmp_path / 'run'}"])
+    loaded = copy.deepcopy(cfg)
+    outcome = run(cfg, Comm(ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single"), "cpu"))
+    assert outcome["last_round"] == 2 and cfg == loaded and cfg.run.parallel_clients == "auto"
+    assert outcome["config"].run.parallel_clients == 1
+    assert outcome["config"] == dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, parallel_clients=1))
+    assert "parallel_clients = 1\n" in (tmp_path / "run" / "config.toml").read_text()
 
 
 def test_dumps_round_trips(tmp_path):

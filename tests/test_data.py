@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedddp.config import Config
+from fedddp.config import Config, DataConfig
 from fedddp.data import build, idx, synthetic, vision
 from fedddp.errors import DataError
 
@@ -49,11 +49,7 @@ def make_mnist(root, folder="MNIST", num_train=60, num_test=50, splits=("train",
 
 
 def config(root, **data):
-    cfg = Config()
-    cfg.data.root = str(root)
-    for key, value in data.items():
-        setattr(cfg.data, key, value)
-    return cfg
+    return Config(data=DataConfig(root=str(root), **data))
 
 
 def pixel_index(x_N1HW):

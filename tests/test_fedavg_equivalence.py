@@ -1,6 +1,7 @@
 """FedAvg with one full-batch gradient step per client is one centralised gradient step on the
 union of the clients' data (weights by sample count make the mean of means the global mean)."""
 
+import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ def test_one_full_batch_step_equals_centralised_step(tmp_path):
     assert not torch.equal(result["global_P"], start_P)
     torch.testing.assert_close(result["global_P"], expected_P, rtol=1e-5, atol=1e-6)
     # and the uniform weighting is really different (the test can tell them apart)
-    cfg.algorithm.weighting = "uniform"
-    cfg.run.out_dir = str(tmp_path / "u")
+    cfg = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, weighting="uniform"),
+                              run=dataclasses.replace(cfg.run, out_dir=str(tmp_path / "u")))
     uniform = run(cfg, Comm(SINGLE, "cpu"))["global_P"]
     assert (uniform - expected_P).abs().max() > 1e-4

@@ -25,14 +25,14 @@ def test_auto_is_one_after_another_on_cpu():
     """auto on CPU is 1 without measuring: every result stays what it was when 1 was the default."""
     cfg = checks.load(None, [])
     assert cfg.run.parallel_clients == "auto" and config.Config().run.parallel_clients == "auto"
-    words = parallel.resolve(cfg, Comm(SINGLE, "cpu"), None, None, None, [], None)
-    assert cfg.run.parallel_clients == 1 and "run.parallel_clients=auto: 1 on CPU" in words
-    resumed = checks.load(None, [])
-    words = parallel.resolve(resumed, Comm(SINGLE, "cpu"), None, None, None, [], None, resumed=3)
-    assert resumed.run.parallel_clients == 3 and "the checkpoint's B = 3" in words
+    b, words = parallel.resolve(cfg, Comm(SINGLE, "cpu"), None, None, None, [], None)
+    assert b == 1 and "run.parallel_clients=auto: 1 on CPU" in words
+    b, words = parallel.resolve(cfg, Comm(SINGLE, "cpu"), None, None, None, [], None, resumed=3)
+    assert b == 3 and "the checkpoint's B = 3" in words
+    assert cfg.run.parallel_clients == "auto"  # the loaded config stays as it was: the run builds its own
     explicit = checks.load(None, ["run.parallel_clients=4"])
     assert parallel.resolve(explicit, Comm(SINGLE, "cpu"), None, None, None, [], None) == \
-        "clients up to 4 side by side" and explicit.run.parallel_clients == 4
+        (4, "clients up to 4 side by side")
 
 
 def test_predict_counts_the_clients_still_stepping():
@@ -69,7 +69,7 @@ def test_batch_from_memory():
     assert parallel.batch_from_memory(2 * gib, gib, 0, 1000) == 1  # fewer than two fit
     assert parallel.batch_from_memory(80 * gib, 0, 0, 7) == 7
     cfg = checks.load(None, ["run.clients_per_round=10"])
-    assert [parallel.clients_per_rank(cfg, r) for r in (1, 2, 3, 16)] == [10, 5, 4, 1]
+    assert [parallel.clients_per_rank(cfg.num_sampled(), r) for r in (1, 2, 3, 16)] == [10, 5, 4, 1]
 
 
 @pytest.mark.e2e
@@ -188,6 +188,6 @@ def test_sweep_finds_a_run_of_auto_with_its_resolved_B_the_same(tmp_path):
     from fedddp.study import sweep
 
     (tmp_path / "config.toml").write_text(config.dumps(checks.load(None, ["run.parallel_clients=1"])))
-    assert sweep.settings_mismatch(str(tmp_path), checks.load(None, [])) == []
-    assert sweep.settings_mismatch(str(tmp_path), checks.load(None, ["run.parallel_clients=2"])) == \
+    assert sweep.settings_mismatch(str(tmp_path), sweep.settings_of(checks.load(None, []))) == []
+    assert sweep.settings_mismatch(str(tmp_path), sweep.settings_of(checks.load(None, ["run.parallel_clients=2"]))) == \
         ["run.parallel_clients: 1 there, 2 here"]

@@ -94,7 +94,7 @@ def test_a_plugin_server_rule_pairs_with_plain_clients_and_sample_weights_by_def
     path = "examples.my_plugin:TRIMMED_MEAN"
     cfg = checks.load(None, PLUGIN_DATA + [f"algorithm.name={path}"])
     assert registry.resolve(cfg.algorithm) == ("plain", path) and cfg.algorithm.weighting == "samples"
-    assert algorithms.describe(cfg) == f"{path}: plain clients, {path} server rule, samples weights"
+    assert algorithms.describe(cfg.algorithm) == f"{path}: plain clients, {path} server rule, samples weights"
 
 
 # -- what FedER and MOON need of the model, read from the built model ------------------------

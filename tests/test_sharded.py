@@ -13,7 +13,6 @@ Legend: K clients, P flat elements, W ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 
@@ -387,8 +386,7 @@ def test_divergence_stops_a_sharded_run_with_status_4(tmp_path, capsys):
 
 def test_aggregation_block_must_be_a_multiple_of_64(tmp_path):
     from fedddp import config
-    cfg = dataclasses.replace(config.Config())
-    cfg.run.aggregation_block = 100
+    cfg = config.Config(run=config.RunConfig(aggregation_block=100))
     assert any("run.aggregation_block" in e for e in config.check_fields(cfg))
     assert "run.aggregation" in config.RESUME_MAY_CHANGE and "run.aggregation_block" not in config.RESUME_MAY_CHANGE
 

@@ -17,11 +17,11 @@ from fedrun import REPO
 
 def fake_run(folder, accuracies, finished=True, eval_every=1, **keys):
     """A run folder whose test_accuracy at round r is accuracies[r - 1] (None: not evaluated)."""
-    cfg = config.Config()
-    for dotted, value in keys.items():
+    sections = {}
+    for dotted, value in {**keys, "run__out_dir": str(folder)}.items():
         section, key = dotted.split("__")
-        setattr(getattr(cfg, section), key, value)
-    cfg.run.out_dir = str(folder)
+        sections.setdefault(section, {})[key] = value
+    cfg = config.Config(**{section: config.SECTIONS[section](**values) for section, values in sections.items()})
     os.makedirs(folder)
     with open(os.path.join(folder, "config.toml"), "w") as fh:
         fh.write(config.dumps(cfg))
@@ -154,8 +154,7 @@ def test_plot_cli_groups_and_skips_a_run_without_the_metric(tmp_path):
 def timed_run(folder, points, mode):
     """A run whose metrics.jsonl rows are (sim_time_s, test_accuracy or None), one per round."""
     os.makedirs(folder)
-    cfg = config.Config()
-    cfg.run.mode, cfg.run.out_dir = mode, str(folder)
+    cfg = config.Config(run=config.RunConfig(mode=mode, out_dir=str(folder)))
     with open(os.path.join(folder, "config.toml"), "w") as fh:
         fh.write(config.dumps(cfg))
     with open(os.path.join(folder, "metrics.jsonl"), "w") as fh:

@@ -3,6 +3,7 @@ by its values (portable names: key-value_key-value); a rerun skips finished runs
 ones (also in folders of older names) and refuses a folder that holds a run with other settings;
 --ranks runs through torchrun; --slurm submits a job array, --slurm --dry-run prints it."""
 
+import dataclasses
 import glob
 import os
 import signal
@@ -89,7 +90,7 @@ def test_a_rerun_continues_runs_in_folders_of_older_names(tmp_path, capsys):
         cfg = by_overrides[overrides].cfg
         if old == "name=fedmom,seed=2":
             cfg = by_overrides[("run.seed=2", "algorithm.name=fedmom")].cfg
-            cfg.run.rounds = 4  # other settings: not this sweep's run
+            cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, rounds=4))  # other settings: not this sweep's run
         (out / old).mkdir(parents=True)
         (out / old / "config.toml").write_text(config.dumps(cfg))
         (out / old / state).mkdir() if state == "checkpoints" else (out / old / state).touch()

@@ -38,7 +38,7 @@ def final_P(tmp_path, overrides: list[str]) -> torch.Tensor:
 def test_the_warm_up_changes_no_bit(tmp_path, extra, capsys, monkeypatch):
     cold_P = final_P(tmp_path / "cold", extra)
     assert "warm-up" not in capsys.readouterr().err  # CPU without run.compile: none
-    monkeypatch.setattr(warmup, "needed", lambda cfg, device: True)
+    monkeypatch.setattr(warmup, "needed", lambda rc, device: True)
     monkeypatch.setattr(warmup, "SERVER_DEVICES", ("cpu",))
     ran = []
     for name in ("_local", "_server"):
@@ -54,7 +54,7 @@ def test_a_failing_warm_up_is_said_and_skipped(tmp_path, capsys, monkeypatch):
     """A warm-up on made-up inputs that raises (a plugin rule might) is named in the start line;
     the run goes on and gives the bits it gives without one."""
     cold_P = final_P(tmp_path / "cold", CASES[0])
-    monkeypatch.setattr(warmup, "needed", lambda cfg, device: True)
+    monkeypatch.setattr(warmup, "needed", lambda rc, device: True)
 
     def refuse(run_, comm):
         raise ValueError("made-up reports")

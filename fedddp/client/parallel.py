@@ -123,33 +123,32 @@ def batch_from_memory(free_bytes: float, per_client_bytes: float, fixed_bytes: f
     return b if b == max_clients else 1 << (b.bit_length() - 1)
 
 
-def clients_per_rank(cfg, world_size: int) -> int:
-    """The most clients a rank trains in a round: more side by side would leave ranks idle."""
-    return max(1, math.ceil(cfg.num_sampled() / world_size))
+def clients_per_rank(num_sampled: int, world_size: int) -> int:
+    """The most clients a rank trains in a round (``num_sampled``: K): more side by side would
+    leave ranks idle."""
+    return max(1, math.ceil(num_sampled / world_size))
 
 
 # -- resolving auto ----------------------------------------------------------------------------
 
-def resolve(cfg, comm, model, layout, data, ids, task, resumed: int | None = None) -> str:
-    """Set ``cfg.run.parallel_clients`` to the B this run uses and return the start line's words
-    for it. ``resumed``: the B of the checkpoint the run resumes from (None: a fresh start).
-    ``data``: the run's FederatedData (its train mapping holding ``ids``). Every rank calls it;
-    on CUDA auto the ranks agree on B with one all-reduce."""
+def resolve(cfg, comm, model, layout, data, ids, task, resumed: int | None = None) -> tuple[int, str]:
+    """(B, the start line's words for it): the B this run uses for ``cfg.run.parallel_clients``
+    (auto resolved; the caller builds the run's config with it). ``resumed``: the B of the
+    checkpoint the run resumes from (None: a fresh start). ``data``: the run's FederatedData (its
+    train mapping holding ``ids``). Every rank calls it; on CUDA auto the ranks agree on B with
+    one all-reduce."""
     rc = cfg.run
     if rc.parallel_clients != AUTO:
         b = rc.parallel_clients
-        return "clients one after another" if b == 1 else f"clients up to {b} side by side"
+        return b, "clients one after another" if b == 1 else f"clients up to {b} side by side"
     if resumed is not None:
-        rc.parallel_clients = int(resumed)
-        return (f"clients {_mode(resumed)} (run.parallel_clients=auto: the checkpoint's B = {resumed}, "
-                "part of the run's identity)")
+        return int(resumed), (f"clients {_mode(resumed)} (run.parallel_clients=auto: the checkpoint's B = "
+                              f"{resumed}, part of the run's identity)")
     if rc.mode == "async":
-        rc.parallel_clients = 1
-        return "clients one after another (run.parallel_clients=auto: 1 in async mode)"
+        return 1, "clients one after another (run.parallel_clients=auto: 1 in async mode)"
     if comm.device.type != "cuda":
-        rc.parallel_clients = 1
-        return ("clients one after another (run.parallel_clients=auto: 1 on CPU, the reference; side by side "
-                "pays on CPU only for small models with even clients, docs/running.md)")
+        return 1, ("clients one after another (run.parallel_clients=auto: 1 on CPU, the reference; side by "
+                   "side pays on CPU only for small models with even clients, docs/running.md)")
     try:
         b, why = _cuda_choice(cfg, comm, model, layout, data, ids, task)
     except Exception as exc:  # noqa: BLE001 - an optional probe: the other ranks wait at the all-reduce
@@ -161,8 +160,7 @@ def resolve(cfg, comm, model, layout, data, ids, task, resumed: int | None = Non
     agreed = int(mine.min().item())
     if agreed != b:
         why += f"; another rank fits only {agreed}"
-    rc.parallel_clients = agreed
-    return f"clients {_mode(agreed)} (run.parallel_clients=auto: {why})"
+    return agreed, f"clients {_mode(agreed)} (run.parallel_clients=auto: {why})"
 
 
 def _mode(b: int) -> str:
@@ -191,7 +189,7 @@ def _cuda_choice(cfg, comm, model, layout, data, ids, task) -> tuple[int, str]:
     per_client += EXTRA_COPIES * layout.numel * 4
     free, _ = torch.cuda.mem_get_info(comm.device)
     pending = _pending_data_bytes(data, largest) if isinstance(data.train, LazyClients) else 0
-    cap = clients_per_rank(cfg, comm.world_size)
+    cap = clients_per_rank(cfg.num_sampled(), comm.world_size)
     b = batch_from_memory(free, per_client, group + pending, cap)
     gib = 2.0 ** 30
     return b, (f"{per_client / gib:.2f} GiB a client, {free / gib:.1f} GiB free, at most {cap} clients a rank "
@@ -223,7 +221,7 @@ def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            trainer.train_group(_group(global_P, layout, cfg, task, [data] * size))
+            trainer.train_group(_group(global_P, layout, cfg.algorithm, task, [data] * size))
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.max_memory_allocated(device) - base)
     del trainer, probe_model
@@ -233,9 +231,10 @@ def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[
 
 # -- the CPU measurement ------------------------------------------------------------------------
 
-def _group(global_P, layout, cfg, task, clients: list[ClientData]) -> list[tuple]:
-    """A probe group: (context, data, seed, work, report views) per client, nothing of the run's."""
-    return [(ClientContext(i, 1, global_P, layout, cfg.algorithm, task=task), d, i, 0,
+def _group(global_P, layout, hp, task, clients: list[ClientData]) -> list[tuple]:
+    """A probe group: (context, data, seed, work, report views) per client, nothing of the run's
+    (``hp``: the AlgorithmConfig)."""
+    return [(ClientContext(i, 1, global_P, layout, hp, task=task), d, i, 0,
              {"params_P": torch.empty_like(global_P)}) for i, d in enumerate(clients)]
 
 
@@ -262,7 +261,7 @@ def measure_cpu(model, layout, cfg, task, clients: list[ClientData], global_P,
 
     def side_by_side(k: int, group: list[ClientData]) -> float:
         start = time.perf_counter()
-        trainers[k].train_group(_group(global_P, layout, cfgs[k], task, group))
+        trainers[k].train_group(_group(global_P, layout, cfg.algorithm, task, group))
         return time.perf_counter() - start
 
     probes = {("one", k): (lambda k=k: statistics.median(one_after_another(k, d)

@@ -58,7 +58,7 @@ import threading
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import checks, config, slurm
 from ..errors import ConfigError, UserError
@@ -234,10 +234,11 @@ def differences(there: dict, here: dict) -> list[str]:
             if k in there and k not in HOW_KEYS and not config.same_setting(k, there[k], here[k])]
 
 
-def settings_mismatch(folder: str, cfg: config.Config) -> list[str]:
-    """Keys whose value in the run already in ``folder`` differs from ``cfg``'s."""
+def settings_mismatch(folder: str, here: dict) -> list[str]:
+    """Keys whose value in the run already in ``folder`` differs from the flat config ``here``
+    (``settings_of``)."""
     there = settings_in(folder)
-    return [] if there is None else differences(there, settings_of(cfg))
+    return [] if there is None else differences(there, here)
 
 
 def place(points: list[Point], out: str) -> None:
@@ -265,7 +266,7 @@ def place(points: list[Point], out: str) -> None:
             if found is not None:
                 del others[found]
                 point.name, point.out_dir, point.moved = os.path.basename(found), found, "found"
-        point.cfg.run.out_dir = point.out_dir
+        point.cfg = replace(point.cfg, run=replace(point.cfg.run, out_dir=point.out_dir))
 
 
 def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] = ()) -> tuple[str, dict, list[Point]]:
@@ -301,7 +302,7 @@ def plan(config_path: str, items: list[str], out: str | None, fixed: list[str] =
             point.status = "resume"
         elif os.path.isdir(point.out_dir) and os.listdir(point.out_dir):
             point.status = "restart"  # started, nothing to resume from: round 1 again, in place
-        if point.status != "new" and (diff := settings_mismatch(point.out_dir, point.cfg)):
+        if point.status != "new" and (diff := settings_mismatch(point.out_dir, settings_of(point.cfg))):
             raise ConfigError(f"{point.out_dir}: holds a run with other settings ({'; '.join(diff[:3])}); "
                               "sweep into another --out, or remove that folder")
     return out, raw, points
