@@ -40,7 +40,8 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
 def validate(cfg: config.Config) -> list[str]:
     """Every impossible value or combination, each naming its dotted path: the plugins first
     (their rules are checked with the built-ins'), then the fields, then what spans modules."""
-    errors = register_plugins(cfg) + callbacks.check(cfg.run.callbacks)
+    named = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in plugins.KEYS}
+    errors = register_plugins(named) + callbacks.check(cfg.run.callbacks)
     # a key whose import failed is said once: what the later checks say of it (an "unknown
     # algorithm" that is only not imported) follows from that failure and would mislead
     failed = {e.split(":", 1)[0] for e in errors}
@@ -49,16 +50,14 @@ def validate(cfg: config.Config) -> list[str]:
     return errors + [e for e in rest if e.split(":", 1)[0] not in failed]
 
 
-def register_plugins(cfg: config.Config) -> list[str]:
-    """Import every ``module:attr`` of ``cfg`` (on every rank, before the config is validated)
-    and register its rules under their path, so the rest of fedddp looks them up like the
-    built-ins: ``ALGORITHMS[path]`` is (the module's ``LOCAL_RULE``, else plain; the path),
-    ``WEIGHTING[path]`` the module's ``WEIGHTING``, else samples. One error line per key that
-    fails."""
+def register_plugins(named: Mapping[str, str]) -> list[str]:
+    """Import every ``module:attr`` that ``named`` (a key of plugins.KEYS -> its configured value)
+    gives (on every rank, before the config is validated) and register its rules under their
+    path, so the rest of fedddp looks them up like the built-ins: ``ALGORITHMS[path]`` is (the
+    module's ``LOCAL_RULE``, else plain; the path), ``WEIGHTING[path]`` the module's
+    ``WEIGHTING``, else samples. One error line per key that fails."""
     errors = []
-    for key in plugins.KEYS:
-        section, name = key.split(".")
-        path = getattr(getattr(cfg, section), name)
+    for key, path in named.items():
         if not plugins.is_path(path):
             continue
         try:

@@ -59,8 +59,8 @@ def _register(name: str) -> None:
     from .client.rules import LocalRule
 
     rule = plugins.get(name, "algorithm.name")
-    key = "local" if isinstance(rule, type) and issubclass(rule, LocalRule) else "name"
-    errors = checks.register_plugins(config.Config(algorithm=config.AlgorithmConfig(**{key: name})))
+    key = "algorithm.local" if isinstance(rule, type) and issubclass(rule, LocalRule) else "algorithm.name"
+    errors = checks.register_plugins({key: name})
     if errors:
         raise ConfigError(errors[0])
 

@@ -14,6 +14,7 @@ Legend: K sampled clients, P flat parameters.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -616,7 +617,7 @@ def client_steps(overrides, round_idx=1, rule=None, model_name="mlp"):
 def test_steplr_by_round_and_by_epoch():
     tc = config.TrainConfig(lr=1.0, lr_schedule="steplr", lr_step_size=2, lr_gamma=0.5, local_epochs=3)
     assert [optim.lr_at(tc, r, 0) for r in (1, 2, 3, 4, 5)] == [1.0, 1.0, 0.5, 0.5, 0.25]
-    tc.lr_schedule_unit = "epoch"
+    tc = dataclasses.replace(tc, lr_schedule_unit="epoch")
     assert [optim.lr_at(tc, 1, e) for e in range(6)] == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
     # within a client's round: 3 epochs of 3 steps each (N = 24, batch 8), round 2 starts at epoch 3
     common = ["train.lr=1.0", "train.lr_schedule=steplr", "train.lr_step_size=2", "train.lr_gamma=0.5",
