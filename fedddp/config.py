@@ -25,25 +25,32 @@ from .errors import ConfigError, close_match
 IntOrAuto = int | typing.Literal["auto"]
 
 
-def opt(default: Any, doc: str, choices: tuple | None = None, plugin: bool = False):
+# A number field's range (opt's ``bound``): its test and the words of its refusal.
+BOUNDS = {">0": (lambda v: v > 0, "must be > 0"), ">=0": (lambda v: v >= 0, "must be >= 0"),
+          "[0, 1)": (lambda v: 0 <= v < 1, "must be in [0, 1)"), "[0, 1]": (lambda v: 0 <= v <= 1, "must be in [0, 1]")}
+
+
+def opt(default: Any, doc: str, choices: tuple | None = None, plugin: bool = False, bound: str | None = None):
     """A config field: its default, the one-line doc shown in ``--help`` and the docs, (for
-    strings) the valid choices, and whether a ``module:attr`` import path may stand for a choice
-    (fedddp.plugins)."""
+    strings) the valid choices, whether a ``module:attr`` import path may stand for a choice
+    (fedddp.plugins), and (for numbers) the range it must lie in (a key of BOUNDS; check_fields
+    refuses a value outside it)."""
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata={"doc": doc, "choices": None})
-    return field(default=default, metadata={"doc": doc, "choices": choices, "plugin": plugin})
+    assert bound is None or bound in BOUNDS, bound
+    return field(default=default, metadata={"doc": doc, "choices": choices, "plugin": plugin, "bound": bound})
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    rounds: int = opt(20, "Number of communication rounds (rounds are counted from 1).")
+    rounds: int = opt(20, "Number of communication rounds (rounds are counted from 1).", bound=">0")
     seed: int = opt(0, "Seed for training: model initialisation, client sampling and local shuffling. "
                        "The data (partition, splits, synthetic samples, colours) follow data.seed, so "
-                       "runs that differ only in run.seed train on the same clients.")
+                       "runs that differ only in run.seed train on the same clients.", bound=">=0")
     out_dir: str = opt("runs/default", "Output folder: config.toml, metrics.jsonl, metrics.csv, clients.jsonl, "
                                        "final.pt, checkpoints/ (and tensorboard/ with run.tensorboard).")
-    clients_per_round: int = opt(0, "Clients sampled per round (K). 0: use participation instead.")
-    participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.")
+    clients_per_round: int = opt(0, "Clients sampled per round (K). 0: use participation instead.", bound=">=0")
+    participation: float = opt(1.0, "Fraction of clients sampled per round when clients_per_round = 0.", bound="[0, 1]")
     sampling: str = opt("auto", "How a round's clients are drawn, from (seed, round) alone. fixed: exactly K "
                                 "(clients_per_round, else participation x N rounded) of the N clients, "
                                 "uniformly without replacement. poisson: each client independently with "
@@ -54,7 +61,8 @@ class RunConfig:
                                 "dpfedmom: the privacy accountant's sampling), fixed for the others; "
                                 "resolved when the config loads (docs/algorithms.md).",
                         ("auto", "fixed", "poisson"))
-    eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).")
+    eval_every: int = opt(1, "Evaluate the global model on the test set every this many rounds (and at the end).",
+                          bound=">0")
     client_eval_every: int = opt(0, "Client (federated) evaluation every this many rounds (and at the end); 0: "
                                     "off. A cohort of clients (run.client_eval_clients) evaluates the round's "
                                     "global model on its own held-out samples (data.client_test_fraction, which "
@@ -62,30 +70,30 @@ class RunConfig:
                                     "client_eval_* keys (the metric's mean, sample-weighted mean and 10/50/90th "
                                     "percentiles over the cohort, the loss's mean and weighted mean) and "
                                     "client_eval.jsonl a row per (round, client) (docs/running.md, \"Client "
-                                    "evaluation\"). Training is unchanged by it.")
+                                    "evaluation\"). Training is unchanged by it.", bound=">=0")
     client_eval_clients: int = opt(0, "Clients a round's client evaluation takes (at most data.num_clients): drawn "
                                       "from (run.seed, round) among the clients with held-out samples, the "
-                                      "same on any world size; 0: every client with held-out samples.")
+                                      "same on any world size; 0: every client with held-out samples.", bound=">=0")
     client_eval_steps: int = opt(0, "Client evaluation's local steps k. 0: the global model as it is. k > 0: also "
                                     "personalized accuracy (client_eval_personalized_* keys): each client takes k "
                                     "steps of the run's local rule and optimizer (train.*, from an empty client "
                                     "state) on its training samples, from a seed of its own, on a copy, and "
                                     "evaluates the result: the global model and the client's state are left "
-                                    "untouched.")
+                                    "untouched.", bound=">=0")
     ckpt_every: int = opt(0, "Write a checkpoint every this many rounds (0: none but at run.stop_after; "
-                             "final.pt is written either way).")
+                             "final.pt is written either way).", bound=">=0")
     resume: bool = opt(False, "Continue from the newest complete checkpoint in out_dir/checkpoints. Forced "
                               "on in workers restarted by torchrun --max-restarts (TORCHELASTIC_RESTART_COUNT "
                               "> 0); a fresh run (false) first drops the old LATEST pointer.")
     stop_after: int = opt(0, "Stop (cleanly, after checkpointing, also with ckpt_every = 0) once this round is "
-                             "done; 0: run all rounds.")
+                             "done; 0: run all rounds.", bound=">=0")
     device: str = opt("cpu", "cpu or cuda. cuda: NCCL backend, rank r binds cuda:LOCAL_RANK; cpu: gloo.",
                       ("cpu", "cuda"))
     num_threads: int = opt(1, "torch intra-op threads per rank. Pinned so results are bitwise the same "
-                              "for any number of ranks; raise it only if you do not need that.")
+                              "for any number of ranks; raise it only if you do not need that.", bound=">0")
     collective_timeout_s: float = opt(1800.0, "Seconds a rank waits for the others in a collective, and "
                                               "without a heartbeat from one, before the run ends (exit 6, "
-                                              "naming the rank that stopped answering).")
+                                              "naming the rank that stopped answering).", bound=">0")
     progress: bool = opt(True, "Show a one-line progress display (round, accuracy, ETA) on rank 0.")
     tensorboard: bool = opt(False, "Also write TensorBoard event files under out_dir/tensorboard (rank 0): "
                                    "every number of metrics.jsonl as a scalar per round. Needs the "
@@ -193,34 +201,36 @@ class DataConfig:
     root: str = opt("", "Folder holding the data sets (torchvision layout, e.g. ROOT/MNIST/raw). "
                         "Empty: $FEDDDP_DATA, else ./data.")
     download: bool = opt(False, "Let torchvision download a missing data set (needs internet).")
-    num_clients: int = opt(30, "Number of clients N.")
+    num_clients: int = opt(30, "Number of clients N.", bound=">0")
     partition: str = opt("dirichlet", "How samples are split over clients (synthetic data is split "
                                       "by its generator and ignores this). natural: the data set's own "
                                       "clients (femnist's writers; femnist needs it).",
                          ("iid", "dirichlet", "shards", "classes", "natural"))
-    dirichlet_alpha: float = opt(0.3, "Dirichlet concentration for the label-skew split; smaller is more skewed.")
+    dirichlet_alpha: float = opt(0.3, "Dirichlet concentration for the label-skew split; smaller is more skewed.",
+                                 bound=">0")
     shards_per_client: int = opt(2, "Shards per client for partition = shards; exact classes per client "
-                                    "for partition = classes.")
+                                    "for partition = classes.", bound=">0")
     holdout_from_test: float = opt(0.0, "If > 0, carve both train and test sets from the standard test "
                                         "split, this fraction going to test (for folders with only the "
-                                        "test split, e.g. 0.2 gives 8,000 / 2,000 on MNIST).")
+                                        "test split, e.g. 0.2 gives 8,000 / 2,000 on MNIST).", bound="[0, 1)")
     colored_variant: str = opt("binary", "Colored MNIST: binary (digit < 5, red/green) or multiclass "
                                          "(10 digits, class colours); docs/datasets.md.", ("binary", "multiclass"))
     colored_flip_min: float = opt(0.1, "Colored MNIST binary: smallest client probability of the other colour.")
     colored_flip_max: float = opt(0.2, "Colored MNIST binary: largest client probability of the other colour.")
-    colored_test_flip: float = opt(0.9, "Colored MNIST binary: probability of the reversed colour in the test set.")
+    colored_test_flip: float = opt(0.9, "Colored MNIST binary: probability of the reversed colour in the test set.",
+                                   bound="[0, 1]")
     client_test_fraction: float = opt(0.0, "Share of each client's samples held out of its training for client "
                                            "evaluation (run.client_eval_every), in [0, 1): round(fraction x n) of "
                                            "a client's n (at most n - 1), picked by a permutation seeded by "
                                            "(data.seed, client id), so the same on every rank and world size. "
                                            "0: none, every sample trains (as without the key); > 0 with "
                                            "run.client_eval_every = 0 trains on the same reduced data without "
-                                           "evaluating.")
-    synthetic_alpha: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client model mean u_k.")
-    synthetic_beta: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client input mean B_k.")
+                                           "evaluating.", bound="[0, 1)")
+    synthetic_alpha: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client model mean u_k.", bound=">=0")
+    synthetic_beta: float = opt(1.0, "Synthetic(alpha, beta): std of the per-client input mean B_k.", bound=">=0")
     synthetic_iid: bool = opt(False, "Synthetic IID variant: one shared model, v_k = 0.")
-    synthetic_dim: int = opt(60, "Synthetic input dimension d.")
-    synthetic_classes: int = opt(10, "Synthetic number of classes.")
+    synthetic_dim: int = opt(60, "Synthetic input dimension d.", bound=">0")
+    synthetic_classes: int = opt(10, "Synthetic number of classes.", bound=">0")
     augment: bool = opt(False, "CIFAR only: random crop + flip + cutout on training batches.")
     cmapss_subset: str = opt("FD001", "CMAPSS sub-data set, ROOT/CMAPSS/{train,test,RUL}_FD00x.txt. Its "
                                       "clients are pairs of engines in unit order (data.partition is "
@@ -236,7 +246,7 @@ class DataConfig:
     seed: int = opt(0, "Seed for the data: the partition over clients, the holdout split, synthetic samples, "
                        "colored MNIST's colours and the clients' speeds (data.client_speed). Fixed (0) by "
                        "default, so the spread over run.seed is training variation only; sweep it to measure "
-                       "variation over data draws.")
+                       "variation over data draws.", bound=">=0")
 
 
 @dataclass(frozen=True)
@@ -245,7 +255,7 @@ class ModelConfig:
                                 "for regression data (cmapss). module:attr: your callable (input_shape, "
                                 "num_classes) -> torch.nn.Module (docs/extending.md).",
                     ("logistic", "mlp", "cnn", "resnet18", "ffnn"), plugin=True)
-    hidden: int = opt(200, "MLP hidden width.")
+    hidden: int = opt(200, "MLP hidden width.", bound=">0")
     flat_buffers: bool = opt(True, "Send buffers (BatchNorm statistics) with the parameters and average them.")
 
 
@@ -254,17 +264,17 @@ class TrainConfig:
     optimizer: str = opt("sgd", "Client optimizer. Built fresh for each client each round (the papers' "
                                 "default): no momentum buffer, Adam moment or RMSGD metric survives a round.",
                          ("sgd", "adam", "adamp", "rmsgd"))
-    lr: float = opt(0.01, "Client learning rate.")
-    momentum: float = opt(0.0, "SGD momentum.")
+    lr: float = opt(0.01, "Client learning rate.", bound=">=0")
+    momentum: float = opt(0.0, "SGD momentum.", bound=">=0")
     nesterov: bool = opt(False, "Nesterov momentum for sgd (torch.optim.SGD's nesterov; needs momentum > 0).")
-    weight_decay: float = opt(0.0, "Weight decay.")
-    batch_size: int = opt(10, "Local minibatch size (0: full batch).")
-    local_epochs: int = opt(1, "Local epochs per round (ignored when local_steps > 0).")
-    local_steps: int = opt(0, "Local minibatch steps per round; 0: use local_epochs.")
+    weight_decay: float = opt(0.0, "Weight decay.", bound=">=0")
+    batch_size: int = opt(10, "Local minibatch size (0: full batch).", bound=">=0")
+    local_epochs: int = opt(1, "Local epochs per round (ignored when local_steps > 0).", bound=">=0")
+    local_steps: int = opt(0, "Local minibatch steps per round; 0: use local_epochs.", bound=">=0")
     lr_schedule: str = opt("none", "Learning-rate schedule: none, or steplr (lr * gamma every step_size units).",
                            ("none", "steplr"))
-    lr_step_size: int = opt(25, "StepLR period, in lr_schedule_unit units.")
-    lr_gamma: float = opt(0.5, "StepLR factor.")
+    lr_step_size: int = opt(25, "StepLR period, in lr_schedule_unit units.", bound=">0")
+    lr_gamma: float = opt(0.5, "StepLR factor.", bound=">=0")
     lr_schedule_unit: str = opt("round", "What StepLR counts: rounds (lr fixed within a round), or local "
                                          "epochs on the clock (round - 1) * local_epochs + epoch of the "
                                          "round (needs local_epochs, not local_steps).",
@@ -311,7 +321,7 @@ class AlgorithmConfig:
                                 "and FedGAM-CV's eta_g, FedMom's w <- w + eta v, FedNova's step, FedGMA's "
                                 "eta_s; rules without a server step (fedcong, cgw, feder, fedsmoo, fedmedian, "
                                 "fedtrimmedavg, krum, bulyan) and fedadam, fedyogi, fedadagrad (their step is "
-                                "algorithm.params.eta) refuse a value other than 1 (docs/algorithms.md).")
+                                "algorithm.params.eta) refuse a value other than 1 (docs/algorithms.md).", bound=">=0")
 
 
 # The flat keys the built-in rules' hyperparameters had before each rule declared its own
@@ -575,35 +585,17 @@ def check_fields(cfg: Config) -> list[str]:
                 own = ", or module:attr (docs/extending.md)" if f.metadata.get("plugin") else ""
                 errors.append(f"{section}.{f.name}: {value!r} is not one of {', '.join(choices)}{own}"
                               f"{_did_you_mean(value, choices)}")
-    positive = ["run.rounds", "run.eval_every", "run.num_threads", "run.collective_timeout_s", "data.num_clients", "data.shards_per_client",
-                "train.lr_step_size", "model.hidden", "data.synthetic_dim", "data.synthetic_classes"]
-    non_negative = ["run.seed", "run.ckpt_every", "run.stop_after", "run.clients_per_round", "train.batch_size",
-                    "train.local_epochs", "train.local_steps", "train.lr", "train.momentum",
-                    "train.weight_decay", "algorithm.server_lr", "data.seed", "train.lr_gamma",
-                    "data.synthetic_alpha", "data.synthetic_beta", "run.client_eval_every",
-                    "run.client_eval_clients", "run.client_eval_steps"]
-    for path in positive + non_negative:
-        section, key = path.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if path in positive and value <= 0:
-            errors.append(f"{path}: must be > 0, got {value}")
-        elif value < 0:
-            errors.append(f"{path}: must be >= 0, got {value}")
+            if f.metadata.get("bound") and not BOUNDS[f.metadata["bound"]][0](value):
+                errors.append(f"{section}.{f.name}: {BOUNDS[f.metadata['bound']][1]}, got {value}")
     if cfg.run.aggregation_block <= 0 or cfg.run.aggregation_block % 64:
         errors.append(f"run.aggregation_block: must be a positive multiple of 64, got {cfg.run.aggregation_block}")
-    if not 0.0 <= cfg.data.holdout_from_test < 1.0:
-        errors.append(f"data.holdout_from_test: must be in [0, 1), got {cfg.data.holdout_from_test}")
-    if not 0.0 <= cfg.data.client_test_fraction < 1.0:
-        errors.append(f"data.client_test_fraction: must be in [0, 1), got {cfg.data.client_test_fraction}")
-    elif cfg.run.client_eval_every > 0 and cfg.data.client_test_fraction == 0:
+    if cfg.run.client_eval_every > 0 and cfg.data.client_test_fraction == 0:
         errors.append(f"run.client_eval_every: {cfg.run.client_eval_every} evaluates clients on their held-out "
                       "samples, but data.client_test_fraction = 0 holds none out; set e.g. "
                       "data.client_test_fraction=0.2")
     if cfg.run.client_eval_clients > cfg.data.num_clients:
         errors.append(f"run.client_eval_clients: {cfg.run.client_eval_clients} but only data.num_clients = "
                       f"{cfg.data.num_clients}; lower it (0: every client with held-out samples)")
-    if not 0.0 <= cfg.run.participation <= 1.0:
-        errors.append(f"run.participation: must be in [0, 1], got {cfg.run.participation}")
     if cfg.run.participation <= 0 and cfg.run.clients_per_round == 0:
         errors.append("run.participation: must be > 0 (or set run.clients_per_round)")
     if cfg.num_sampled() > cfg.data.num_clients:
@@ -612,8 +604,6 @@ def check_fields(cfg: Config) -> list[str]:
     if not 0.0 <= cfg.data.colored_flip_min <= cfg.data.colored_flip_max <= 1.0:
         errors.append(f"data.colored_flip_min: need 0 <= colored_flip_min <= colored_flip_max <= 1, got "
                       f"{cfg.data.colored_flip_min} and {cfg.data.colored_flip_max}")
-    if not 0.0 <= cfg.data.colored_test_flip <= 1.0:
-        errors.append(f"data.colored_test_flip: must be in [0, 1], got {cfg.data.colored_test_flip}")
     # clients come with the data; the others are partitioned. A tensors file or a data callable
     # may bring its own (client_train), checked when it is read.
     own_clients = ("femnist", "synthetic", "cmapss", "tensors")
@@ -626,8 +616,6 @@ def check_fields(cfg: Config) -> list[str]:
     if cfg.data.name == "femnist" and cfg.data.partition != "natural":
         errors.append(f"data.partition: femnist's clients are its writers; set data.partition = natural, not "
                       f"{cfg.data.partition} (IID FEMNIST: LEAF's preprocess.sh -s iid)")
-    if cfg.data.dirichlet_alpha <= 0:
-        errors.append(f"data.dirichlet_alpha: must be > 0, got {cfg.data.dirichlet_alpha}")
     if cfg.train.local_epochs == 0 and cfg.train.local_steps == 0:
         errors.append("train.local_epochs: set train.local_epochs or train.local_steps > 0")
     if cfg.data.name == "synthetic" and cfg.model.name in ("cnn", "resnet18"):
