@@ -337,7 +337,7 @@ def check(rc, dc, hp) -> list[str]:
         errors.append(f"run.mode: async runs FedBuff's rule on FedAvg's server step; algorithm.name = "
                       f"{hp.name} has the {server} server rule; async runs "
                       f"{', '.join(allowed_algorithms())} (or set run.mode=sync)")
-    if rc.parallel_clients not in (1, "auto"):  # auto is 1 in async mode (client/parallel.py)
+    if rc.asked_parallel_clients() != 1:
         errors.append("run.parallel_clients: async mode trains each client from the model version it "
                       "started from, one after another; set run.parallel_clients=1 (or run.mode=sync)")
     if rc.sampling == "poisson":

@@ -165,6 +165,12 @@ class RunConfig:
                                         "per block, then over the blocks in block order, in both aggregation "
                                         "modes; run.aggregation = sharded gives each rank whole blocks.")
 
+    def asked_parallel_clients(self) -> int:
+        """B as the config asks for it, before the run resolves auto: auto counts as 1, since it
+        falls back to one after another wherever side by side cannot run (client/parallel.py) and
+        so is refused for nothing."""
+        return 1 if self.parallel_clients == "auto" else self.parallel_clients
+
 
 
 # Keys whose "auto" is resolved when a run starts (run.parallel_clients: from the device, or the

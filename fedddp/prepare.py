@@ -205,8 +205,7 @@ def refuse_before_round_one(cfg: config.Config, model, data, batched: BatchedTra
     has none and builds one); a data.client_speed file that changed since the config loaded.
     Returns each client's simulated seconds per local step."""
     check_one_sample_batches(model, data.input_shape, data.num_samples, cfg.train.batch_size, cfg.model.name)
-    # auto is resolved by the run's setup (client/parallel.py) and falls back to 1 where side by side fails
-    if cfg.run.parallel_clients != parallel.AUTO and cfg.run.parallel_clients > 1:
+    if cfg.run.asked_parallel_clients() > 1:
         # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
         if batched is None:
             try_side_by_side(cfg, model, data)
