@@ -82,16 +82,7 @@ def evaluates(rc, round_idx: int) -> bool:
 
 def describe(rc: RunConfig, cohort: Cohort) -> str:
     """The start line's words on who trains when: K of N a round, Poisson sampling, or async."""
-    n = cohort.num_clients
-    if rc.mode == "async":
-        staleness = (f"(1 + tau)^-{rc.async_staleness_exponent:g}" if rc.async_staleness == "polynomial"
-                     else "constant")
-        return (f"async (FedBuff): {asynchrony.concurrency(rc, cohort.num_sampled)} of {n} clients training at "
-                f"once on the simulated clock, a server update every {rc.async_buffer} arrivals, staleness "
-                f"weight {staleness}")
-    if cohort.poisson:
-        return f"each of {n} clients a round with probability {cohort.rate:g} (Poisson sampling)"
-    return f"{cohort.num_sampled} of {n} clients a round"
+    return schedule_class(rc).words(rc, cohort)
 
 
 class SyncRounds:
@@ -104,6 +95,12 @@ class SyncRounds:
         self.num_samples, self.cost_K, self.speeds = num_samples, cost_K, speeds
         self.rank, self.world_size, self.balanced = comm.rank, comm.world_size, balanced
         self.sim_time_s = 0.0  # the simulated clock after the last round
+
+    @staticmethod
+    def words(rc: RunConfig, cohort: Cohort) -> str:
+        if cohort.poisson:
+            return f"each of {cohort.num_clients} clients a round with probability {cohort.rate:g} (Poisson sampling)"
+        return f"{cohort.num_sampled} of {cohort.num_clients} clients a round"
 
     def plan(self, round_idx: int, global_P: torch.Tensor) -> RoundPlan:
         return plan_round(self.rc, self.tc, self.cohort, round_idx, self.num_samples, self.cost_K, self.rank,
@@ -158,6 +155,14 @@ class FedBuffUpdates:
         self.versions: dict[int, torch.Tensor] = {}  # the model versions training clients started from
         self.before: asynchrony.Clock | None = None   # this update's: the clock before it, its arrivals
         self.arrivals: list = []
+
+    @staticmethod
+    def words(rc: RunConfig, cohort: Cohort) -> str:
+        staleness = (f"(1 + tau)^-{rc.async_staleness_exponent:g}" if rc.async_staleness == "polynomial"
+                     else "constant")
+        return (f"async (FedBuff): {asynchrony.concurrency(rc, cohort.num_sampled)} of {cohort.num_clients} "
+                f"clients training at once on the simulated clock, a server update every {rc.async_buffer} "
+                f"arrivals, staleness weight {staleness}")
 
     @property
     def sim_time_s(self) -> float:
@@ -219,6 +224,11 @@ class FedBuffUpdates:
         self.clock, self.versions = asynchrony.restored(saved["async"], device)
 
 
+def schedule_class(rc: RunConfig) -> type[SyncRounds] | type[FedBuffUpdates]:
+    """The one place run.mode is read: the run's schedule, chosen once at setup."""
+    return FedBuffUpdates if rc.mode == "async" else SyncRounds
+
+
 def schedule_of(rc: RunConfig, *args) -> SyncRounds | FedBuffUpdates:
-    """The run's schedule, chosen once at setup by run.mode. ``args``: the schedules' after ``rc``."""
-    return (FedBuffUpdates if rc.mode == "async" else SyncRounds)(rc, *args)
+    """The run's schedule. ``args``: the schedules' after ``rc``."""
+    return schedule_class(rc)(rc, *args)
