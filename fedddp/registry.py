@@ -1,5 +1,5 @@
 """The names fedddp knows, at the bottom of the import graph: server rules, local rules, the
-algorithms that pair them, and each algorithm's client weighting.
+algorithms that pair them, each algorithm's client weighting, and the data sets.
 
 Built-in rules register from their own modules (``strategies.base.register``, the table at the
 end of ``client/rules.py``); plugins (``module:attr``) register the same way when a config names
@@ -8,6 +8,8 @@ fedddp.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 # name -> Strategy (fedddp.strategies.base): the server rules
 SERVER_RULES: dict[str, object] = {}
@@ -61,3 +63,22 @@ def resolve(hp) -> tuple[str, str]:
     """(local rule, server rule) of an AlgorithmConfig: the name's pair, with hp.local if not auto."""
     local, server = ALGORITHMS[hp.name]
     return (local if hp.local == "auto" else hp.local), server
+
+
+# data.name -> the function that builds it (fedddp.data.build). The built-in names stand here, so a
+# config is checked (config.DataConfig's choices) before fedddp.data, and torch, is imported; each
+# builder fills its entry when fedddp.data.build is imported (``builds``).
+DATA_SETS: dict[str, Callable | None] = dict.fromkeys((
+    "synthetic", "mnist", "fashionmnist", "cifar10", "cifar100", "cmapss", "femnist", "colored_mnist", "tensors",
+    "clients_dir"))
+
+
+def builds(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` builds data.name = ``name``, a name DATA_SETS declares."""
+    if name not in DATA_SETS:
+        raise KeyError(f"data set {name!r} is not declared in fedddp.registry.DATA_SETS")
+
+    def register(fn: Callable) -> Callable:
+        DATA_SETS[name] = fn
+        return fn
+    return register
