@@ -8,7 +8,7 @@ under ``--folder`` (a clients_dir folder, and an .npz for the in-memory runs). E
 ``--per-round`` clients a round for ``--rounds`` rounds (mlp, one local epoch) in a fresh
 process, which prints its peak RSS (VmHWM of /proc/self/status) at the end of the run.
 
-    python bench/population_memory.py [--clients 1000 100000 1000000] [--in-memory-max 100000]
+    python bench/population_memory.py [--clients 1000 100000 1000000] [--in-memory-max 1000000]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="samples a client")
     parser.add_argument("--per-round", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--in-memory-max", type=int, default=100_000,
+    parser.add_argument("--in-memory-max", type=int, default=1_000_000,
                         help="largest population also run in memory (data.name = tensors)")
     parser.add_argument("--folder", default="/tmp/fedddp-population", help="where the populations are written")
     args = parser.parse_args()
