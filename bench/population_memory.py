@@ -9,6 +9,7 @@ under ``--folder`` (a clients_dir folder, and an .npz for the in-memory runs). E
 process, which prints its peak RSS (VmHWM of /proc/self/status) at the end of the run.
 
     python bench/population_memory.py [--clients 1000 100000 1000000] [--in-memory-max 1000000]
+                                      [--rounds 3] [--override KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--in-memory-max", type=int, default=1_000_000,
                         help="largest population also run in memory (data.name = tensors)")
     parser.add_argument("--folder", default="/tmp/fedddp-population", help="where the populations are written")
+    parser.add_argument("--override", nargs="*", default=[], help="config overrides for every run, e.g. "
+                        "run.sampling=poisson run.participation=0.0001")
     args = parser.parse_args()
     mib = 2.0 ** 20
     print(f"{args.samples} samples a client of shape {list(SHAPE)} (uint8), {args.per_round} clients a round, "
@@ -103,14 +106,15 @@ def main() -> None:
           f"{'in memory peak MiB':>19} {'s':>6}")
     for num_clients in args.clients:
         in_memory = num_clients <= args.in_memory_max
-        started = time.perf_counter()
+        started, existed = time.perf_counter(), os.path.isdir(
+            os.path.join(args.folder, f"pop{num_clients}x{args.samples}"))
         folder, npz = make_population(args.folder, num_clients, args.samples, in_memory)
-        written_s = time.perf_counter() - started
+        written = "written before" if existed else f"written in {time.perf_counter() - started:.1f} s"
         size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
         common = [f"data.num_clients={num_clients}", f"run.clients_per_round={args.per_round}",
                   f"run.rounds={args.rounds}", f"run.eval_every={args.rounds}", "run.ckpt_every=0", "model.name=mlp",
                   "train.local_epochs=1", "train.batch_size=8",
-                  "run.overwrite=true"]
+                  "run.overwrite=true", *args.override]
         runs = os.path.join(args.folder, "runs", str(num_clients))
         on_disk = measure(["data.name=clients_dir", f"data.path={folder}", f"run.out_dir={runs}-disk", *common])
         eager = measure(["data.name=tensors", f"data.path={npz}", "data.partition=natural",
@@ -118,7 +122,7 @@ def main() -> None:
         eager_words = f"{eager['VmHWM'] / mib:>19.0f} {eager['wall_s']:>6.1f}" if eager else f"{'not run':>19} {'':>6}"
         print(f"{num_clients:>10,} {num_clients * args.samples:>10,} {size / mib:>12.0f} "
               f"{on_disk['VmHWM'] / mib:>21.0f} {on_disk['wall_s']:>6.1f} {eager_words}"
-              f"   (written in {written_s:.1f} s)", flush=True)
+              f"   ({written})", flush=True)
 
 
 if __name__ == "__main__":
