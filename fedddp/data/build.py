@@ -46,8 +46,7 @@ def _build(cfg, seed: int, owned_ids) -> FederatedData:
     data = cfg.data
     if seed < 0:  # numpy's SeedSequence takes only non-negative entropy
         raise ConfigError(f"data.seed: must be >= 0, got {seed}")
-    if len(owned_ids) and not (0 <= min(owned_ids) and max(owned_ids) < data.num_clients):
-        raise AssertionError((min(owned_ids), max(owned_ids), data.num_clients))
+    assert not len(owned_ids) or 0 <= min(owned_ids) <= max(owned_ids) < data.num_clients, data.num_clients
     if plugins.is_path(data.name):  # called alike on every rank: the same arrays, the same partition
         with plugins.calling("data.name", f"{data.name}(root, seed)"):
             mapping = plugins.get(data.name, "data.name")(cfg.data_root(), seed)
