@@ -102,9 +102,22 @@ def main(argv: list[str] | None = None) -> int:
             env.write_status(exc.exit_code, line, rank + (world_size if relayed else 0))
         return exc.exit_code
     except KeyboardInterrupt:
-        console.say("fedddp: interrupted")
+        if rank == 0:
+            console.say(interrupted_line(path, overrides))
         return 130
     return 0
+
+
+def interrupted_line(path: str | None, overrides: list[str]) -> str:
+    """Ctrl-C's line: how the same command continues the run (its folder read from the config)."""
+    try:
+        out_dir = config.parse(path, overrides)[0].run.out_dir
+    except UserError:
+        out_dir = None
+    from .checkpoint import how_to_continue  # torch is loaded by then, unless the config was being read
+
+    words = how_to_continue(out_dir)
+    return f"fedddp: interrupted {words}" if words.startswith("before") else f"fedddp: interrupted; {words}"
 
 
 def check(path: str | None, overrides: list[str], data: bool = True) -> config.Config:

@@ -65,30 +65,16 @@ def _check_pair(cfg, local: str, server: str, params: dict) -> list[str]:
         writers = [n for n, r in rules.RULES.items() if set(unmet) <= set(r.reports)]
         errors.append(f"algorithm.local: {pair}: {server} needs {', '.join(unmet)} from its clients, which "
                       f"{local} clients do not report; use algorithm.local = auto or {' / '.join(writers)}")
-    if server == "fednova":
-        if cfg.train.optimizer != "sgd":
-            errors.append(f"train.optimizer: fednova normalises by the (momentum) SGD step count; "
-                          f"{cfg.train.optimizer} has no such a_k here (use sgd)")
-        if local == "prox":
-            errors.append(f"algorithm.local: {pair}: FedNova's a_k for FedProx's proximal solver differs "
-                          "from the SGD one implemented here; use another local rule")
-        if not cfg.train.momentum < 1:
-            errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
-    if strategy.private:
-        errors += _check_dp(cfg, server, params)
+    # what each rule refuses of this run (its optimizer, weighting, sampling, data), said by the rule
+    check_server = strategy.check_config
+    errors += [] if check_server is None else list(check_server(cfg, local, params))
     if cfg.algorithm.server_lr != 1.0 and not strategy.takes_server_lr:
         takers = [n for n, (_, s) in ALGORITHMS.items() if strategies.SERVER_RULES[s].takes_server_lr]
         errors.append(f"algorithm.server_lr: the {server} server rule (algorithm.name = {name}) has no "
                       f"server step for a learning rate to scale, so it would ignore "
                       f"{cfg.algorithm.server_lr}; leave it at 1, or use a rule that takes it "
                       f"({', '.join(takers)}; docs/algorithms.md)")
-    if local in ("scaffold", "gam_cv"):
-        errors += _check_control(cfg, local, params)
-    if local == "moon":
-        if tasks.of_data(cfg.data.name) == "regression":  # known by name: said before any data is read
-            errors.append(f"algorithm.local: {pair}: MOON is defined for classification; data.name = "
-                          f"{cfg.data.name} is a regression task (choose another algorithm.name or "
-                          "algorithm.local)")
+    errors += list(rule.check_config(cfg, server, params))
     return errors + check_optimizer(cfg.train)
 
 
@@ -99,66 +85,6 @@ def sampling_of(cfg) -> str:
         return cfg.run.sampling
     server = resolve(cfg.algorithm)[1]
     return "poisson" if getattr(strategies.SERVER_RULES.get(server), "private", False) else "fixed"
-
-
-def _check_dp(cfg, server: str, params: dict) -> list[str]:
-    """DP-FedAvg's bound on one client's influence, C / K, holds for equal weights; its epsilon is
-    dp-accounting's, for the run's sampling (its own values are checked by the rule:
-    strategies/dpfedavg.py); the noise cohort and adaptive clipping's count noise against the
-    cohort."""
-    errors = []
-    if weighting_of(cfg.algorithm) != "uniform":
-        errors.append(f"algorithm.weighting: {server} bounds one client's influence by C / K with equal "
-                      f"weights; set algorithm.weighting = uniform or auto, not {cfg.algorithm.weighting}")
-    try:
-        import dp_accounting  # noqa: F401
-    except ImportError:
-        errors.append(f"algorithm.name: {server} accounts its privacy with Google's dp-accounting (PLD or "
-                      "RDP), which is not installed: pip install 'fedddp[dp]' (or pip install dp-accounting)")
-    sampling = dataclasses.replace(cfg.run, sampling=sampling_of(cfg))
-    if sampling.sampling == "fixed" and params.get("dp_accountant") == "pld":
-        errors.append("algorithm.params.dp_accountant: pld cannot account run.sampling = fixed (K of N without "
-                      "replacement: dp-accounting's PLD accountant has no such event); use run.sampling=poisson, "
-                      "or algorithm.params.dp_accountant=rdp")
-    cohort = dataclasses.replace(cfg, run=sampling).expected_cohort()
-    noise_cohort, n = params.get("dp_noise_cohort", 0), cfg.data.num_clients
-    if noise_cohort and not cohort <= noise_cohort <= n:
-        errors.append(f"algorithm.params.dp_noise_cohort: the noise is calibrated for this many clients a round, "
-                      f"so it must lie between the clients that train ({cohort:g} a round) and data.num_clients "
-                      f"= {n}; got {noise_cohort}")
-    elif params.get("dp_adaptive_quantile", 0) > 0 and params.get("dp_noise", 0) > 0:
-        z, m = params["dp_noise"], noise_cohort or cohort
-        sigma_b = params["dp_adaptive_count_noise"] or m / 20
-        if not 2 * sigma_b > z:
-            # the value to set: sigma_b = z costs the update 1.155x its noise multiplier
-            # ((z^-2 - (2 z)^-2)^-1/2); or a cohort whose m / 20 exceeds z / 2
-            errors.append(f"algorithm.params.dp_adaptive_count_noise: adaptive clipping's count noise sigma_b = "
-                          f"{sigma_b:g} (0: the cohort {m:g} / 20) must exceed dp_noise / 2 = {z / 2:g}, else no "
-                          "update noise keeps the total privacy at dp_noise; set "
-                          f"algorithm.params.dp_adaptive_count_noise={z:g} (the update's noise multiplier then "
-                          f"{z * (1 - 0.25) ** -0.5:.3g} instead of {z:g}), or a cohort (run.clients_per_round or "
-                          f"algorithm.params.dp_noise_cohort) above {10 * z:g}")
-    return errors
-
-
-def _check_control(cfg, local: str, params: dict) -> list[str]:
-    """SCAFFOLD's option II and FedGAM-CV's eq. 21 (its only option) read the client's mean step
-    direction off (w - w_k) / (tau lr): true for plain SGD only (momentum or Adam move w by
-    something else)."""
-    tc, option = cfg.train, params.get("scaffold_control", "II")
-    if tc.optimizer == "sgd" and tc.momentum == 0:
-        return []
-    what = f"train.optimizer = {tc.optimizer}" if tc.optimizer != "sgd" else f"train.momentum = {tc.momentum}"
-    key = "train.optimizer" if tc.optimizer != "sgd" else "train.momentum"
-    if local == "scaffold" and option == "II":
-        return [f"algorithm.params.scaffold_control: option II's c_k+ = c_k - c + (w - w_k) / (tau lr) holds for "
-                f"plain SGD only, not with {what}; set algorithm.params.scaffold_control = I (c_k+ = the client's "
-                "gradient at the global model, valid for any optimizer) or use plain SGD"]
-    if local == "gam_cv":
-        return [f"{key}: FedGAM-CV's c_k update (seed 002 eq. 21) holds for plain SGD only, not with {what}; "
-                "use train.optimizer = sgd with train.momentum = 0, or algorithm.name = scaffold with "
-                "algorithm.params.scaffold_control = I"]
-    return []
 
 
 def check_algorithm(cfg) -> list[str]:
@@ -279,15 +205,10 @@ def resolved(hp):
     return dataclasses.replace(hp, params=params_of(hp.params, hp.name, *resolve(hp)))
 
 
-def _outside(net, parts) -> list[str]:
-    """Names of the parameters and buffers of ``net`` that none of ``parts`` holds."""
-    inside = {id(t) for part in parts for t in [*part.parameters(), *part.buffers()]}
-    return [n for n, t in [*net.named_parameters(), *net.named_buffers()] if id(t) not in inside]
-
-
 def check_model(cfg, net, task: str) -> list[str]:
-    """What the run's rules need of the built model (never its name): FedER a conv layer to
-    weigh by effective rank; MOON a classifier and its split into ``features`` and ``head``."""
+    """What the run's rules need of the built model (never its name): the server rule's report
+    fields (effective ranks need a conv layer to weigh), then the local rule's own check
+    (LocalRule.check_model)."""
     local, server = resolve(cfg.algorithm)
     errors = []
     what = f"model.name = {cfg.model.name}"
@@ -296,25 +217,7 @@ def check_model(cfg, net, task: str) -> list[str]:
             not any(isinstance(m, nn.Conv2d) for m in net.modules()):
         errors.append(f"model.name: {server} weighs conv layers by effective rank; {what} has no "
                       "torch.nn.Conv2d layer (use cnn, resnet18 or a model with one)")
-    if local == "moon":
-        if task != "classification":
-            # MOON's projection head sits between the features and a classifier, and its
-            # contrastive term is part of a cross-entropy objective: neither exists for a regressor.
-            errors.append(f"algorithm.local: MOON is defined for classification; data.name = "
-                          f"{cfg.data.name} is a {task} task (choose another algorithm.name or algorithm.local)")
-        missing = [a for a in ("features", "head") if not isinstance(getattr(net, a, None), nn.Module)]
-        if missing:
-            errors.append(f"model.name: MOON compares representations, so the model must be head(features(x)) "
-                          f"with submodules .features and .head; {what} has no {' and no '.join(missing)} "
-                          "(docs/extending.md, \"MOON\")")
-        elif outside := _outside(net, (net.features, net.head)):
-            errors.append(f"model.name: MOON runs the model as head(features(x)); {what} has tensors outside "
-                          f".features and .head ({', '.join(outside[:3])}); move them into one of the two")
-        elif hp.params["moon_proj_dim"] > 0 and not isinstance(net.head, nn.Linear):
-            errors.append(f"model.name: MOON's projection head (algorithm.params.moon_proj_dim = "
-                          f"{hp.params['moon_proj_dim']}) replaces the classifier .head, "
-                          f"which must be a torch.nn.Linear; {what} has a {type(net.head).__name__} (or set "
-                          "algorithm.params.moon_proj_dim = 0)")
+    errors += list(rules.RULES[local].check_model(cfg, net, task, hp.params))
     return errors
 
 
@@ -346,7 +249,7 @@ def check_output(name: str, net: nn.Module, input_shape: tuple, num_classes: int
 def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> nn.Module:
     """The run's model: ``model.name`` built for data of this shape and task (fedddp.models),
     checked against what the run's rules need (``check_model``: a ConfigError naming what is
-    missing), and MOON's projection head added. Every rank builds the same model from the same
+    missing), then changed as the local rule says (LocalRule.adapt_model). Every rank builds the same model from the same
     seed."""
     # None: the task of a built-in data set by its name (the data's own FederatedData.task is
     # what the round loop passes)
@@ -355,10 +258,6 @@ def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> 
     errors = check_model(cfg, net, task) + check_output(cfg.model.name, net, tuple(input_shape), num_classes, task)
     if errors:
         raise ConfigError("; ".join(errors))
-    if resolve(cfg.algorithm)[0] == "moon":
-        if not isinstance(net, models.Net):
-            net = models.Net(net.features, net.head)  # the contrastive term reads features, the loss head(...)
-        proj_dim = resolved(cfg.algorithm).params["moon_proj_dim"]
-        if proj_dim > 0:
-            net = models.add_projection_head(net, proj_dim, num_classes)
+    # the local rule's own parts (MOON's projection head), after the checks above passed
+    net = rules.RULES[resolve(cfg.algorithm)[0]].adapt_model(net, resolved(cfg.algorithm).params, num_classes)
     return net

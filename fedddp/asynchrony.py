@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .registry import ALGORITHMS, resolve
+from .registry import ALGORITHMS, SERVER_RULES, resolve
 from .sampling import _mix
 
 _SPEED_STREAM = 0x5BEED
@@ -301,8 +301,13 @@ def concurrency(cfg) -> int:
 
 
 def allowed_algorithms() -> list[str]:
-    """The algorithm names async mode runs: those whose server rule is FedAvg's."""
-    return sorted(name for name, (_, server) in ALGORITHMS.items() if server == "fedavg")
+    """The algorithm names async mode runs: those whose server rule's step is FedAvg's
+    (Strategy.buffered: FedBuff applies that step to its buffered updates)."""
+    return sorted(name for name, (_, server) in ALGORITHMS.items() if _buffered(server))
+
+
+def _buffered(server: str) -> bool:
+    return getattr(SERVER_RULES.get(server), "buffered", False)
 
 
 def check(cfg) -> list[str]:
@@ -327,7 +332,7 @@ def check(cfg) -> list[str]:
         server = resolve(cfg.algorithm)[1]
     except KeyError:
         return errors  # an unknown algorithm is said by its own check
-    if server != "fedavg":
+    if not _buffered(server):
         errors.append(f"run.mode: async runs FedBuff's rule on FedAvg's server step; algorithm.name = "
                       f"{cfg.algorithm.name} has the {server} server rule; async runs "
                       f"{', '.join(allowed_algorithms())} (or set run.mode=sync)")

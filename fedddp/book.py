@@ -140,15 +140,14 @@ class Book:
         self.logs.close()
 
     def closing_line(self, last_round: int | None = None) -> str:
-        """What a finished run leaves: the folder, its files and (DP-FedAvg) the final epsilon."""
+        """What a finished run leaves: the folder, its files and the server rule's closing words
+        (Strategy.closing_words: DP-FedAvg's final epsilon)."""
         out_dir, rounds = self.run.cfg.run.out_dir, self.run.cfg.run.rounds
         names = [n + ("/" if os.path.isdir(os.path.join(out_dir, n)) else "") for n in
                  ("config.toml", "metrics.jsonl", "metrics.csv", "clients.jsonl", "client_eval.jsonl", "final.pt",
                   "checkpoints", "tensorboard", "client_state") if os.path.exists(os.path.join(out_dir, n))]
-        eps, params = (self.last_row or {}).get("epsilon"), self.run.cfg.algorithm.params
-        cohort = f" (for a noise cohort of {params['dp_noise_cohort']} a round)" \
-            if params.get("dp_noise_cohort") else ""
-        dp = f"; epsilon {eps:.4g} at delta {params['dp_delta']:g}{cohort}" if eps is not None else ""
+        closing_words = self.run.strategy.closing_words
+        words = closing_words(self.last_row or {}, self.run.cfg.algorithm.params) if closing_words else ""
         done = f"finished {rounds} rounds" if last_round in (None, rounds) else \
             f"stopped after round {last_round} of {rounds} (a callback of run.callbacks)"
-        return f"fedddp: {done}; {out_dir} holds {', '.join(names)}{dp}"
+        return f"fedddp: {done}; {out_dir} holds {', '.join(names)}{'; ' + words if words else ''}"

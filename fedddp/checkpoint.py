@@ -284,6 +284,18 @@ def latest(ckpt_root: str) -> str | None:
     return newest_complete(ckpt_root)[0]
 
 
+def how_to_continue(out_dir: str | None) -> str:
+    """What a stopped run's line says after its cause: how the same command continues it, from
+    the newest complete checkpoint in ``out_dir/checkpoints``."""
+    found = latest(os.path.join(out_dir, "checkpoints")) if out_dir else None
+    if found:
+        return (f"the same command with run.resume=true continues from the checkpoint of round "
+                f"{int(os.path.basename(found).split('_')[1])}")
+    if out_dir:
+        return "before its first checkpoint (run.ckpt_every); the same command with run.resume=true starts over"
+    return "the same command with run.resume=true continues from the last checkpoint"
+
+
 def load(folder: str, owned: set[int], device,
          columns: tuple[int, int] | None = None) -> tuple[dict, dict[int, dict[str, torch.Tensor]]]:
     """The server payload and the states of the ``owned`` clients, from the files the manifest

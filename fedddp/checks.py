@@ -86,7 +86,7 @@ def _register_server(path: str, obj) -> None:
         raise ConfigError(f"algorithm.name: {path!r} is a {type(obj).__name__}; it must be "
                           f"{plugins.KEYS['algorithm.name']}")
     module = plugins.module_of(path)
-    local = getattr(module, "LOCAL_RULE", "plain")
+    local = getattr(module, "LOCAL_RULE", rules.LocalRule.name)
     weighting = getattr(module, "WEIGHTING", "samples")
     if weighting not in ("samples", "uniform"):
         raise ConfigError(f"algorithm.name: {path!r}: its module's WEIGHTING is {weighting!r}; it must be "
@@ -117,10 +117,14 @@ def _guarded_rule(cls: type, path: str) -> type:
                 return method(self, *args, **kwargs)
         return call
 
-    def check_params(params):
-        with plugins.calling("algorithm.local", f"{path}.check_params"):
-            return cls.check_params(params)
+    def guard_class(hook: str):  # a classmethod of the rule: check_params, check_config, ...
+        method = getattr(cls, hook)
+
+        def call(*args):
+            with plugins.calling("algorithm.local", f"{path}.{hook}"):
+                return method(*args)
+        return staticmethod(call)
 
     hooks = {hook: guard(hook) for hook in ("begin", "loss", "direction", "gradient", "end")}
-    return type(cls.__name__, (cls,), {**hooks, "check_params": staticmethod(check_params),
-                                       "__module__": cls.__module__, "__doc__": cls.__doc__})
+    hooks |= {hook: guard_class(hook) for hook in ("check_params", "check_config", "check_model", "adapt_model")}
+    return type(cls.__name__, (cls,), {**hooks, "__module__": cls.__module__, "__doc__": cls.__doc__})

@@ -156,14 +156,8 @@ def stopped_line(signum: int, out_dir: str | None, started: bool = True) -> str:
         return f"{said} before any rank started"
     from . import checkpoint
 
-    found = checkpoint.latest(os.path.join(out_dir, "checkpoints")) if out_dir else None
-    if found:
-        return (f"{said}; the same command with run.resume=true continues from the checkpoint of round "
-                f"{int(os.path.basename(found).split('_')[1])}")
-    if out_dir:
-        return (f"{said} before its first checkpoint (run.ckpt_every); the same command with "
-                "run.resume=true starts over")
-    return f"{said}; the same command with run.resume=true continues from the last checkpoint"
+    words = checkpoint.how_to_continue(out_dir)
+    return f"{said} {words}" if words.startswith("before") else f"{said}; {words}"
 
 
 def failed_line(exc) -> str:

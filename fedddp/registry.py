@@ -1,14 +1,18 @@
 """The names fedddp knows, at the bottom of the import graph: server rules, local rules, the
 algorithms that pair them, each algorithm's client weighting, and the data sets.
 
-Built-in rules register from their own modules (``strategies.base.register``, the table at the
-end of ``client/rules.py``); plugins (``module:attr``) register the same way when a config names
-them (``checks.register_plugins``). Everything above reads these dicts; nothing here imports
-fedddp.
+Every rule joins through one path: ``add_server``, ``add_local`` and ``add_algorithm``, which
+refuse a name already taken. Built-in rules call them from their own modules (a server rule in
+``strategies/NAME.py``, a local rule in ``client/rules/NAME.py``, an algorithm that is not a row
+of ``BUILT_IN`` beside its server rule); plugins (``module:attr``) register the same way when a
+config names them (``checks.register_plugins``). Everything above reads these dicts; nothing
+here imports fedddp. ``snapshot`` and ``restore`` (or ``kept``) let a test register and leave
+the tables as it found them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 # name -> Strategy (fedddp.strategies.base): the server rules
@@ -19,7 +23,7 @@ LOCAL_RULES: dict[str, type] = {}
 # algorithm.name -> (local rule in fedddp.client, server rule in fedddp.strategies, the client
 # weights p_k its paper or reference code averages with: samples n_k / n over the sampled clients,
 # or uniform 1/K; algorithm.weighting = auto takes it, sources in docs/algorithms.md). One line
-# an algorithm: a new one is one line here.
+# an algorithm; a new one is one line here or one add_algorithm call in its own file.
 BUILT_IN: dict[str, tuple[str, str, str]] = {
     "fedavg": ("plain", "fedavg", "samples"),            # McMahan et al. 2017, n_k / n
     "fedmom": ("plain", "fedmom", "samples"),            # seed 004, eq. 5
@@ -63,6 +67,66 @@ def resolve(hp) -> tuple[str, str]:
     """(local rule, server rule) of an AlgorithmConfig: the name's pair, with hp.local if not auto."""
     local, server = ALGORITHMS[hp.name]
     return (local if hp.local == "auto" else hp.local), server
+
+
+class DuplicateName(ValueError):
+    """A rule or algorithm registered under a name already taken."""
+
+
+def _refuse_taken(table: dict, name: str, kind: str) -> None:
+    if name in table:
+        raise DuplicateName(f"{kind} {name!r} is registered twice; give the new one another name")
+
+
+def add_server(strategy):
+    """Registers a server rule (a fedddp.strategies.Strategy) under ``strategy.name``."""
+    _refuse_taken(SERVER_RULES, strategy.name, "server rule")
+    SERVER_RULES[strategy.name] = strategy
+    return strategy
+
+
+def add_local(rule: type, name: str | None = None) -> type:
+    """Registers a local rule (a LocalRule subclass) under ``name``, by default its ``name``;
+    usable as a class decorator."""
+    name = rule.name if name is None else name
+    _refuse_taken(LOCAL_RULES, name, "local rule")
+    LOCAL_RULES[name] = rule
+    return rule
+
+
+def add_algorithm(name: str, local: str, server: str, weighting: str) -> None:
+    """Registers ``algorithm.name = name``: the local and server rules it pairs and the client
+    weighting (samples or uniform) its paper averages with."""
+    if weighting not in ("samples", "uniform"):
+        raise ValueError(f"algorithm {name!r}: weighting must be samples or uniform, not {weighting!r}")
+    _refuse_taken(ALGORITHMS, name, "algorithm")
+    ALGORITHMS[name] = (local, server)
+    WEIGHTING[name] = weighting
+
+
+_TABLES = (SERVER_RULES, LOCAL_RULES, ALGORITHMS, WEIGHTING)
+
+
+def snapshot() -> tuple[dict, ...]:
+    """Copies of every table, for ``restore``."""
+    return tuple(dict(table) for table in _TABLES)
+
+
+def restore(saved: tuple[dict, ...]) -> None:
+    """The tables as ``snapshot`` copied them (their identity kept: modules hold references)."""
+    for table, content in zip(_TABLES, saved):
+        table.clear()
+        table.update(content)
+
+
+@contextlib.contextmanager
+def kept():
+    """The tables restored on exit, whatever was registered inside."""
+    saved = snapshot()
+    try:
+        yield
+    finally:
+        restore(saved)
 
 
 # data.name -> the function that builds it (fedddp.data.build). The built-in names stand here, so a

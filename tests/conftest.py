@@ -232,9 +232,8 @@ def plugin_registries(monkeypatch):
     """The registries plugins join (fedddp.registry's tables, the imported modules) and sys.path
     restored after the test, so no other test sees the plugins it registered."""
     monkeypatch.setattr(sys, "path", list(sys.path))
-    tables = (registry.SERVER_RULES, registry.LOCAL_RULES, registry.ALGORITHMS, registry.WEIGHTING, plugins._objects)
-    saved = [dict(table) for table in tables]
+    saved, objects = registry.snapshot(), dict(plugins._objects)
     yield
-    for table, content in zip(tables, saved):
-        table.clear()
-        table.update(content)
+    registry.restore(saved)
+    plugins._objects.clear()
+    plugins._objects.update(objects)

@@ -146,7 +146,8 @@ PAPER_WEIGHTING = {"fedavg": "samples", "fedmom": "samples", "fedcong": "samples
                    "fednova": "samples", "moon": "samples", "fedsam": "uniform", "fedgam": "uniform",
                    "fedgam_cv": "uniform", "fedsmoo": "uniform", "dpfedavg": "uniform", "dpfedmom": "uniform",
                    "fedadam": "samples", "fedyogi": "samples", "fedadagrad": "samples", "fedmedian": "uniform",
-                   "fedtrimmedavg": "uniform", "krum": "uniform", "bulyan": "uniform"}
+                   "fedtrimmedavg": "uniform", "krum": "uniform", "bulyan": "uniform",
+                   "feddyn": "uniform"}
 
 
 def test_every_algorithm_has_a_paper_weighting():

@@ -209,3 +209,25 @@ def test_the_readme_quickstart_runs_the_launcher():
             block.append(line)
     assert len(block) == 2 and block[1] == 'pip install -e ".[test]" && python -m pytest -q tests', block
     assert block[0] == "pip install -e . && python -m fedddp.launch --nproc 2 configs/quickstart.toml", block
+
+
+@pytest.mark.processes
+def test_ctrl_c_to_a_plain_run_says_how_to_continue(tmp_path):
+    """``python -m fedddp`` without the launcher, interrupted (Ctrl-C) after a checkpoint: one line
+    naming the round the same command with run.resume=true continues from, exit 130."""
+    out = tmp_path / "out"
+    log = open(tmp_path / "run.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "fedddp", QUICKSTART, *QUIET, *SLOW, f"run.out_dir={out}"],
+                            stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
+    try:
+        wait_for_rounds(out, 3, proc, log)
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    text = log.read()
+    saved = int((out / "checkpoints" / "LATEST").read_text().split("_")[1])
+    assert status == 130 and text.strip().splitlines() == [
+        f"fedddp: interrupted; the same command with run.resume=true continues from the checkpoint of round {saved}"], text

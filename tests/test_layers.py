@@ -47,6 +47,7 @@ LATE = {
     # (tests/test_fast_start.py): what imports torch is imported once it is needed
     ("fedddp.__main__", "fedddp.api"): "the run and --check, after the config's own checks",
     ("fedddp.launch", "fedddp.checkpoint"): "the stopped line's checkpoint, once a run has started",
+    ("fedddp.__main__", "fedddp.checkpoint"): "Ctrl-C's line: the newest checkpoint, to say how to continue",
     ("fedddp.usage", "fedddp.algorithms"): "--help's second part: the algorithms and their parameters",
     ("fedddp.usage", "fedddp.checks"): "--help module:attr: a plugin registered as a run would",
     ("fedddp.usage", "fedddp.client.rules"): "--help module:attr: whether a plugin is a local rule",

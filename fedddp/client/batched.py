@@ -82,7 +82,7 @@ from torch.utils._pytree import tree_map
 from .. import strategies, tasks
 from ..errors import ConfigError
 from ..flat import FlatLayout
-from ..models import dropout
+from ..models import WITH_BATCH_NORM, dropout
 from ..registry import LOCAL_RULES, resolve
 from ..strategies.kernels import cache_dir as kernels_cache_dir
 from . import precision, rules
@@ -94,7 +94,6 @@ from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 # (1.5x on ResNet-18 steps with a partial batch, BENCHMARKS.md); on a GPU one large call is
 # what side by side pays off through, so it stays padded until measured otherwise.
 SPLIT_DEVICES = ("cpu",)
-BATCH_NORM_MODELS = ("resnet18",)  # the built-ins with BatchNorm (plugin models are checked when built)
 
 
 def check(cfg) -> list[str]:
@@ -119,7 +118,7 @@ def check(cfg) -> list[str]:
     if cfg.train.optimizer not in OPTIMIZERS:
         errors.append(f"run.parallel_clients: train.optimizer = {cfg.train.optimizer} is not batched "
                       f"(batched: {', '.join(OPTIMIZERS)}){fix}")
-    if cfg.model.name in BATCH_NORM_MODELS and not cfg.model.flat_buffers:
+    if cfg.model.name in WITH_BATCH_NORM and not cfg.model.flat_buffers:
         errors.append(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
     return errors
 

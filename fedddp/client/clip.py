@@ -16,7 +16,7 @@ in fedddp/client/__init__.py (docs/extending.md, "Local rules").
 from __future__ import annotations
 
 from ..params import positive
-from ..registry import LOCAL_RULES
+from ..registry import add_local
 from .rules import LocalRule
 
 
@@ -39,4 +39,4 @@ class Clip(LocalRule):
         return [g * step.per_client(scale, g) for g in step.grads]
 
 
-LOCAL_RULES[Clip.name] = Clip
+add_local(Clip)

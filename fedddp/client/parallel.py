@@ -179,7 +179,7 @@ def _cuda_choice(cfg, comm, model, layout, data, ids, task) -> tuple[int, str]:
     if not sizes:
         return 1, "no client has samples"
     try:
-        probe = batched.BatchedTrainer(model, layout, trial, rules.get("plain"), strategies.ALWAYS, task)
+        probe = batched.BatchedTrainer(model, layout, trial, rules.LocalRule(), strategies.ALWAYS, task)
         probe.try_first_client(data.train, data.num_samples, ids)
         largest = data.train[max(sizes, key=sizes.get)]
         per_client, group = cuda_footprint(model, layout, trial, task, largest, comm.device)
@@ -216,7 +216,7 @@ def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[
     probe_cfg = replace(cfg, train=replace(cfg.train, local_steps=1), run=replace(cfg.run, compile=False))
     probe_model = copy.deepcopy(model)
     global_P = layout.flatten(probe_model).clone()
-    trainer = batched.BatchedTrainer(probe_model, layout, probe_cfg, rules.get("plain"), strategies.ALWAYS, task)
+    trainer = batched.BatchedTrainer(probe_model, layout, probe_cfg, rules.LocalRule(), strategies.ALWAYS, task)
     peaks = []
     with torch.random.fork_rng(devices=[device]):
         for size in (1, 2):
@@ -245,7 +245,7 @@ def measure_cpu(model, layout, cfg, task, clients: list[ClientData], global_P,
     of the model, with the plain rule and the run's optimizer, at 1 and 3 local steps; the
     global random generator is restored after. Medians over up to PROBE_REPEATS repeats, fewer
     once ``budget_s`` is spent (after one warm-up and one timed repeat)."""
-    plain, needs = rules.get("plain"), strategies.ALWAYS
+    plain, needs = rules.LocalRule(), strategies.ALWAYS
     probe_model = copy.deepcopy(model)
     # the probes run eagerly (run.compile would time its compilation, and say so)
     cfgs = {k: replace(cfg, train=replace(cfg.train, local_steps=k), run=replace(cfg.run, compile=False))

@@ -89,6 +89,11 @@ def resnet18(input_shape, num_classes) -> Net:
     return Net(net, head)
 
 
+# The built-in models with BatchNorm, whose running statistics are state beside the parameters
+# (side by side they must travel in the flat vector; plugin models are checked when built).
+WITH_BATCH_NORM = ("resnet18",)
+
+
 def build(name: str, input_shape, num_classes: int, task: str, hidden: int = 200) -> nn.Module:
     """The model ``name`` (a built-in, or ``module:attr`` called as (input_shape, num_classes))
     for data of this shape and task, each nn.Dropout a ``dropout.SeededDropout``; ``hidden`` is

@@ -53,10 +53,16 @@ over every rank's blocks in block order (``Span``; docs/architecture.md, "The sh
 A rule without it runs gathered on rank 0.
 """
 
+import importlib
+import pkgutil
+
 from .base import (ALWAYS, AggregateFn, SERVER_RULES, Span, Stacks, State, Strategy, block_width,  # noqa: F401
-                   client_weights_K, column_block, get, min_agreeing, plugin_form, register, server_step,
+                   client_weights_K, column_block, gathered, get, min_agreeing, plugin_form, register, server_step,
                    weighted_mean_P)
 from . import kernels  # noqa: F401
+
+# the package's modules that hold no rule
+_NOT_RULES = ("base", "kernels", "triton_kernels", "accounting")
 
 # Registration of the built-in rules: each module registers itself on import.
 from . import fedavg  # noqa: F401
@@ -65,3 +71,8 @@ from . import scaffold, fednova, fedsmoo  # noqa: F401
 from . import dpfedavg  # noqa: F401
 from . import fedadam, fedyogi  # noqa: F401
 from . import coordinatewise, krum  # noqa: F401
+
+# Any other rule module of the package registers itself the same way: a new rule is its file.
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in _NOT_RULES:
+        importlib.import_module(f"{__name__}.{_module.name}")

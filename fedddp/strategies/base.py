@@ -13,7 +13,7 @@ import torch
 
 from .. import plugins
 from ..blocks import block_slices
-from ..registry import SERVER_RULES, weighting_of
+from ..registry import SERVER_RULES, add_server, weighting_of
 from . import kernels
 
 Stacks = dict[str, torch.Tensor]
@@ -134,6 +134,16 @@ class Strategy:
     # start_words(params, expected cohort, P) -> what the start line adds about this rule before
     # round 1 (DP-FedAvg: its noise against its clip); "" for nothing
     start_words: Callable[[dict, float, int], str] | None = None
+    # check_config(cfg, local, params) -> one error line per thing this rule cannot do in the run
+    # cfg beside the local rule ``local`` (params: the rules' resolved values; FedNova's optimizer,
+    # DP-FedAvg's weighting and sampling), said when the config loads and by --check
+    check_config: Callable[[object, str, dict], list[str]] | None = None
+    # closing_words(last metrics row, params) -> what the closing line adds about this rule once the
+    # run is done (DP-FedAvg: the final epsilon); "" for nothing
+    closing_words: Callable[[dict, dict], str] | None = None
+    # the rule's step is FedAvg's weighted mean, the one asynchronous mode (run.mode = async,
+    # FedBuff) applies to its buffered updates: the algorithms with this server rule run async
+    buffered: bool = False
 
     def needs_for(self, hp) -> frozenset[str]:
         return self.needs_fn(hp) if self.needs_fn is not None else self.needs
@@ -141,10 +151,21 @@ class Strategy:
 
 
 
+def gathered(aggregate_span: Callable) -> AggregateFn:
+    """A rule's gathered form derived from its span form: the whole vector as one range of the
+    run's block width (``Span.whole``), so a rule is written once, on a range, and both servers
+    run the same function."""
+    def aggregate(global_P, stacks, state, hp):
+        numel = global_P.numel()
+        return aggregate_span(global_P, stacks, state, hp, Span.whole(numel, block_width(stacks, numel),
+                                                                        global_P.device))
+    aggregate.__doc__, aggregate.__module__ = aggregate_span.__doc__, aggregate_span.__module__
+    return aggregate
+
+
 def register(strategy: Strategy) -> Strategy:
-    assert strategy.name not in SERVER_RULES, f"server rule {strategy.name} registered twice"
-    SERVER_RULES[strategy.name] = strategy
-    return strategy
+    """A built-in server rule registered by name (registry.add_server: a taken name is refused)."""
+    return add_server(strategy)
 
 
 def plugin_form(strategy: Strategy, name: str) -> Strategy:
@@ -169,7 +190,8 @@ def plugin_form(strategy: Strategy, name: str) -> Strategy:
     return dataclasses.replace(strategy, name=name, aggregate=guarded(aggregate, "its aggregate"),
                                aggregate_span=span_form,
                                **{f: guarded(getattr(strategy, f), f"its {f}")
-                                  for f in ("init_state", "ledger", "spent", "check_params")})
+                                  for f in ("init_state", "ledger", "spent", "check_params", "check_config",
+                                          "closing_words")})
 
 
 def get(name: str) -> Strategy:

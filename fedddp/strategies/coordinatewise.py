@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .base import Span, Strategy, block_width, column_block, register, weighted_mean_P
+from .base import Span, Strategy, column_block, gathered, register, weighted_mean_P
 
 
 def pieces(span: Span, num_rows: int) -> list[list[slice]]:
@@ -33,12 +33,6 @@ def pieces(span: Span, num_rows: int) -> list[list[slice]]:
     columns for [num_rows, C] float32 temporaries: the same pieces of a block on any rank."""
     step = column_block(num_rows, span.device)
     return [[slice(c, min(c + step, b.stop)) for c in range(b.start, b.stop, step)] for b in span.blocks]
-
-
-def whole(global_P: torch.Tensor, stacks) -> Span:
-    """The gathered form's span: the whole vector, in the run's blocks where the rule sums over
-    them (aggregation_block in its needs), else one block."""
-    return Span.whole(global_P.shape[0], block_width(stacks, global_P.shape[0]), global_P.device)
 
 
 def by_columns(global_P, params_KP, span: Span, temporaries: int, columns_fn) -> torch.Tensor:
@@ -87,11 +81,6 @@ def _trimmed_span(global_P, stacks, state, hp, span):
     num_trim = num_trimmed(hp.params["trim_beta"], stacks["params_KP"].shape[0])
     new_P = by_columns(global_P, stacks["params_KP"], span, 4, lambda rows_KC: trimmed_mean_C(rows_KC, num_trim))
     return new_P, state, {}
-
-
-def gathered(span_fn):
-    """The gathered form (Strategy.aggregate) of a range form: the range form over ``whole``."""
-    return lambda global_P, stacks, state, hp: span_fn(global_P, stacks, state, hp, whole(global_P, stacks))
 
 
 def check_trim(params: dict) -> list[str]:

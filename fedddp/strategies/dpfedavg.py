@@ -83,6 +83,7 @@ Legend: K sampled clients (or their expected number), P flat elements, N all cli
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -90,6 +91,7 @@ import torch
 
 from ..sampling import _mix
 from ..params import at_least_zero, in_unit, one_of, positive
+from ..registry import resolve, weighting_of
 from .accounting import ACCOUNTANTS, spent
 from .base import Span, Strategy, block_width, register, server_step, weighted_mean_P
 
@@ -338,14 +340,70 @@ def check_params(params: dict) -> list[str]:
     return errors
 
 
+def check_config(cfg, local: str, params: dict) -> list[str]:
+    """The bound on one client's influence, C / K, holds for equal weights; the epsilon is
+    dp-accounting's, for the run's sampling (the rule's own values: check_params); the noise
+    cohort and adaptive clipping's count noise against the cohort."""
+    errors, server = [], resolve(cfg.algorithm)[1]
+    if weighting_of(cfg.algorithm) != "uniform":
+        errors.append(f"algorithm.weighting: {server} bounds one client's influence by C / K with equal "
+                      f"weights; set algorithm.weighting = uniform or auto, not {cfg.algorithm.weighting}")
+    try:
+        import dp_accounting  # noqa: F401
+    except ImportError:
+        errors.append(f"algorithm.name: {server} accounts its privacy with Google's dp-accounting (PLD or "
+                      "RDP), which is not installed: pip install 'fedddp[dp]' (or pip install dp-accounting)")
+    # run.sampling = auto is poisson for a private rule (algorithms.sampling_of)
+    sampling = dataclasses.replace(cfg.run, sampling="poisson" if cfg.run.sampling == "auto" else cfg.run.sampling)
+    if sampling.sampling == "fixed" and params.get("dp_accountant") == "pld":
+        errors.append("algorithm.params.dp_accountant: pld cannot account run.sampling = fixed (K of N without "
+                      "replacement: dp-accounting's PLD accountant has no such event); use run.sampling=poisson, "
+                      "or algorithm.params.dp_accountant=rdp")
+    cohort = dataclasses.replace(cfg, run=sampling).expected_cohort()
+    noise_cohort, n = params.get("dp_noise_cohort", 0), cfg.data.num_clients
+    if noise_cohort and not cohort <= noise_cohort <= n:
+        errors.append(f"algorithm.params.dp_noise_cohort: the noise is calibrated for this many clients a round, "
+                      f"so it must lie between the clients that train ({cohort:g} a round) and data.num_clients "
+                      f"= {n}; got {noise_cohort}")
+    elif params.get("dp_adaptive_quantile", 0) > 0 and params.get("dp_noise", 0) > 0:
+        errors += _check_count_noise(params, noise_cohort or cohort)
+    return errors
+
+
+def _check_count_noise(params: dict, cohort: float) -> list[str]:
+    z, m = params["dp_noise"], cohort
+    sigma_b = params["dp_adaptive_count_noise"] or m / 20
+    if 2 * sigma_b > z:
+        return []
+    # the value to set: sigma_b = z costs the update 1.155x its noise multiplier
+    # ((z^-2 - (2 z)^-2)^-1/2); or a cohort whose m / 20 exceeds z / 2
+    return [f"algorithm.params.dp_adaptive_count_noise: adaptive clipping's count noise sigma_b = "
+            f"{sigma_b:g} (0: the cohort {m:g} / 20) must exceed dp_noise / 2 = {z / 2:g}, else no "
+            "update noise keeps the total privacy at dp_noise; set "
+            f"algorithm.params.dp_adaptive_count_noise={z:g} (the update's noise multiplier then "
+            f"{z * (1 - 0.25) ** -0.5:.3g} instead of {z:g}), or a cohort (run.clients_per_round or "
+            f"algorithm.params.dp_noise_cohort) above {10 * z:g}"]
+
+
+def closing_words(last_row: dict, params: dict) -> str:
+    """The final epsilon at delta (and the noise cohort it is for), as the last row wrote it."""
+    eps = last_row.get("epsilon")
+    if eps is None:
+        return ""
+    cohort = f" (for a noise cohort of {params['dp_noise_cohort']} a round)" if params.get("dp_noise_cohort") else ""
+    return f"epsilon {eps:.4g} at delta {params['dp_delta']:g}{cohort}"
+
+
 DP_NEEDS = frozenset({"num_sampled", "num_clients", "noise_seed", "sampling_rate", "poisson", "aggregation_block"})
 DPFEDAVG = register(Strategy("dpfedavg", aggregate, init_state=init_state, ledger=ledger, spent=spent,
                              needs=DP_NEEDS, doc=__doc__, takes_server_lr=True, private=True, params=PARAMS,
                              check_params=check_params, param_docs=PARAM_DOCS, aggregate_span=aggregate_span,
-                             start_words=start_words))
+                             start_words=start_words, check_config=check_config,
+                             closing_words=closing_words))
 DPFEDMOM = register(Strategy(
     "dpfedmom", aggregate_momentum, init_state=init_state_momentum, ledger=ledger, spent=spent, needs=DP_NEEDS,
     doc=__doc__, takes_server_lr=True, private=True, params=PARAMS | {"server_momentum": 0.9},
     check_params=lambda params: check_params(params) + in_unit(params, "server_momentum"),
     param_docs=PARAM_DOCS | {"server_momentum": "FedMom server momentum delta_m (0 gives FedAvg)."},
-    aggregate_span=aggregate_momentum_span, start_words=start_words))
+    aggregate_span=aggregate_momentum_span, start_words=start_words, check_config=check_config,
+    closing_words=closing_words))

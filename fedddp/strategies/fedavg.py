@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, client_weights_K, register, server_step, weighted_mean_P
-
-
-def aggregate(global_P, stacks, state, hp):
-    weights_K = client_weights_K(stacks, hp)
-    return server_step(global_P, weighted_mean_P(weights_K, stacks["params_KP"]), hp.server_lr), state, {}
+from .base import Strategy, client_weights_K, gathered, register, server_step, weighted_mean_P
 
 
 def aggregate_span(global_P, stacks, state, hp, span):
-    """The same per column, block by block over this rank's range (Strategy.aggregate_span)."""
+    """w + eta (sum_k p_k w_k - w) per column, block by block over this rank's range (Strategy.aggregate_span)."""
     weights_K, params_KP = client_weights_K(stacks, hp), stacks["params_KP"]
     new_P = torch.empty_like(global_P)
     for b in span.blocks:
@@ -23,4 +18,8 @@ def aggregate_span(global_P, stacks, state, hp, span):
     return new_P, state, {}
 
 
-FEDAVG = register(Strategy("fedavg", aggregate, doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span))
+aggregate = gathered(aggregate_span)  # one block: the fused weighted mean over the whole vector
+
+
+FEDAVG = register(Strategy("fedavg", aggregate, doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span,
+                           buffered=True))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, client_weights_K, register
+from .base import Strategy, client_weights_K, gathered, register
 
 
 def normalisers_K(num_steps_K: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
@@ -37,14 +37,8 @@ def _coefficients_K(global_P, stacks, hp):
     return (float(hp.server_lr) * tau_eff * weights_K / a_K).to(global_P.dtype), tau_eff
 
 
-def aggregate(global_P, stacks, state, hp):
-    coef_K, tau_eff = _coefficients_K(global_P, stacks, hp)
-    new_global_P = global_P - coef_K @ (global_P - stacks["params_KP"])
-    return new_global_P, state, {"tau_eff": tau_eff.float()}
-
-
 def aggregate_span(global_P, stacks, state, hp, span):
-    """The same per column, block by block over this rank's range (Strategy.aggregate_span)."""
+    """w - coef_k (w - w_k) summed over k per column, block by block over this rank's range."""
     coef_K, tau_eff = _coefficients_K(global_P, stacks, hp)
     params_KP, new_P = stacks["params_KP"], torch.empty_like(global_P)
     for b in span.blocks:
@@ -52,5 +46,24 @@ def aggregate_span(global_P, stacks, state, hp, span):
     return new_P, state, {"tau_eff": tau_eff.float()}
 
 
+aggregate = gathered(aggregate_span)  # one block: the whole vector in one product
+
+
+def check_config(cfg, local: str, params: dict) -> list[str]:
+    """a_k is the (momentum) SGD one: another optimizer or FedProx's proximal solver has its own."""
+    errors = []
+    if cfg.train.optimizer != "sgd":
+        errors.append(f"train.optimizer: fednova normalises by the (momentum) SGD step count; "
+                      f"{cfg.train.optimizer} has no such a_k here (use sgd)")
+    if local == "prox":
+        errors.append(f"algorithm.local: algorithm.local = {local} with the fednova server rule (algorithm.name = "
+                      f"{cfg.algorithm.name}): FedNova's a_k for FedProx's proximal solver differs from the SGD "
+                      "one implemented here; use another local rule")
+    if not cfg.train.momentum < 1:
+        errors.append(f"train.momentum: fednova needs momentum < 1, got {cfg.train.momentum}")
+    return errors
+
+
 FEDNOVA = register(Strategy("fednova", aggregate, needs=frozenset({"num_steps_K", "client_momentum"}),
-                            doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span))
+                            doc=__doc__, takes_server_lr=True, aggregate_span=aggregate_span,
+                            check_config=check_config))

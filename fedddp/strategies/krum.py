@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from ..params import at_least_zero, positive
-from .base import Strategy, client_weights_K, register, weighted_mean_P
-from .coordinatewise import by_columns, gathered, median_C, pieces, uniform_mean_C
+from .base import Strategy, client_weights_K, gathered, register, weighted_mean_P
+from .coordinatewise import by_columns, median_C, pieces, uniform_mean_C
 
 NEEDS = frozenset({"aggregation_block"})
 

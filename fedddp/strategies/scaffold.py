@@ -21,23 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, client_weights_K, register, server_step, weighted_mean_P
+from .base import Strategy, client_weights_K, gathered, register, server_step, weighted_mean_P
 
 
 def init_state(global_P: torch.Tensor, hp) -> dict[str, torch.Tensor]:
     return {"control_P": torch.zeros_like(global_P)}
 
 
-def _aggregate(global_P, stacks, state, hp, divisor):
-    mean_P = weighted_mean_P(client_weights_K(stacks, hp), stacks["params_KP"])
-    new_global_P = server_step(global_P, mean_P, hp.server_lr)
-    control_P = state["control_P"] + stacks["control_delta_KP"].sum(0) / divisor
-    return new_global_P, {"control_P": control_P}, {"control_norm": torch.linalg.vector_norm(control_P)}
-
-
 def _aggregate_span(global_P, stacks, state, hp, span, divisor):
-    """Block by block over this rank's range; c comes back whole (client-visible), its norm that
-    of the whole vector as in the gathered form."""
+    """w <- w + eta_g (sum_k p_k w_k - w) and c <- c + sum_k (c_k+ - c_k) / divisor, block by block
+    over this rank's range; c comes back whole (client-visible), its norm that of the whole vector."""
     weights_K, params_KP, deltas_KP = client_weights_K(stacks, hp), stacks["params_KP"], stacks["control_delta_KP"]
     new_P, control_P = torch.empty_like(global_P), torch.empty_like(state["control_P"])
     for b in span.blocks:
@@ -47,20 +40,16 @@ def _aggregate_span(global_P, stacks, state, hp, span, divisor):
     return new_P, {"control_P": control_P}, {"control_norm": torch.linalg.vector_norm(control_P)}
 
 
-def aggregate(global_P, stacks, state, hp):
-    return _aggregate(global_P, stacks, state, hp, stacks["num_clients"].to(global_P.dtype))
-
-
-def aggregate_sampled(global_P, stacks, state, hp):
-    return _aggregate(global_P, stacks, state, hp, stacks["control_delta_KP"].shape[0])
-
-
 def aggregate_span(global_P, stacks, state, hp, span):
     return _aggregate_span(global_P, stacks, state, hp, span, stacks["num_clients"].to(global_P.dtype))
 
 
 def aggregate_sampled_span(global_P, stacks, state, hp, span):
     return _aggregate_span(global_P, stacks, state, hp, span, stacks["control_delta_KP"].shape[0])
+
+
+# the gathered forms: the range forms over the whole vector in one block
+aggregate, aggregate_sampled = gathered(aggregate_span), gathered(aggregate_sampled_span)
 
 
 SCAFFOLD = register(Strategy("scaffold", aggregate, needs=frozenset({"control_delta_KP", "num_clients"}),

@@ -56,17 +56,13 @@ for it. MOON alone is classification-only (its projection head feeds a classifie
 run with it is a configuration error), and its contrastive term is its own cross-entropy.
 """
 
-from __future__ import annotations
-
 import copy
 import functools
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 
-from ..params import at_least_zero, one_of, positive
-from ..registry import LOCAL_RULES
+from ...registry import add_local
 
 # -- flat-vector helpers ------------------------------------------------------------------
 
@@ -261,6 +257,24 @@ class LocalRule:
         """One error line per bad value in ``params`` (defaults filled in)."""
         return []
 
+    @classmethod
+    def check_config(cls, cfg, server: str, params: dict) -> list[str]:
+        """One error line per thing this rule cannot do in the run ``cfg`` beside the ``server``
+        rule (``params``: the rules' resolved values), said when the config loads and by --check."""
+        return []
+
+    @classmethod
+    def check_model(cls, cfg, net, task: str, params: dict) -> list[str]:
+        """One error line per thing this rule needs of the built model ``net`` for ``task`` and
+        does not find (MOON: a split into features and head)."""
+        return []
+
+    @classmethod
+    def adapt_model(cls, net, params: dict, num_classes: int):
+        """The model this rule trains, built from the checked ``net`` (MOON adds its projection
+        head); the model itself by default. Every rank builds the same from the same seed."""
+        return net
+
     def begin(self, model, ctx) -> None:
         pass
 
@@ -320,242 +334,4 @@ def one_client_only(rule) -> bool:
     return getattr(gradient, "__wrapped__", gradient) is not LocalRule.gradient
 
 
-class Prox(LocalRule):
-    """FedProx: the gradient of CE + mu/2 ||w - w_global||^2. The returned loss is the CE alone."""
-
-    name = "prox"
-    per_step = ("anchor",)
-    doc = __doc__
-    params = {"prox_mu": 0.1}
-    param_docs = {"prox_mu": "FedProx proximal weight mu."}
-
-    @classmethod
-    def check_params(cls, params: dict) -> list[str]:
-        return at_least_zero(params, "prox_mu")
-
-    def begin(self, model, ctx) -> None:
-        ctx.scratch["anchor"] = param_views(ctx.layout, ctx.global_P)
-
-    def direction(self, step):
-        mu = step.hp.params["prox_mu"]
-        # one torch._foreach_* op a line over the tensors (one launch a list on a GPU), the same
-        # arithmetic as a loop of torch.add(g, w - a, alpha=mu)
-        return torch._foreach_add(list(step.grads), torch._foreach_sub(list(step.params), list(step.scratch["anchor"])),
-                                  alpha=mu)
-
-
-class ControlVariates:
-    """SCAFFOLD's client side, shared by SCAFFOLD and FedGAM-CV: the step direction gets c - c_k;
-    after tau steps at mean learning rate lr, option II (scaffold_control = II, FedGAM-CV's
-    eq. 21) sets c_k+ = c_k - c + (w_global - w_k) / (tau lr), which holds for plain SGD only;
-    option I (SCAFFOLD's scaffold_control = I) sets c_k+ = the client's
-    full local gradient at w_global (fedddp.client.start_gradient), for any optimizer. Zero on
-    buffers; the report carries c_k+ - c_k."""
-
-    client_state = ("control_P",)
-    reads_server = ("control_P",)
-    reports = ("control_delta_KP",)
-    per_step = ("correction",)
-
-    def begin(self, model, ctx) -> None:
-        super().begin(model, ctx)
-        c_P = ctx.server_view["control_P"]
-        c_k_P = ctx.state.get("control_P")
-        c_k_P = torch.zeros_like(c_P) if c_k_P is None else c_k_P.to(c_P.device)
-        ctx.scratch["c_P"], ctx.scratch["c_k_P"] = c_P, c_k_P
-        ctx.scratch["correction"] = param_views(ctx.layout, c_P - c_k_P)
-
-    def direction(self, step):
-        # the rule this mixes into (next in the MRO) gives the direction; c - c_k is added to it
-        return torch._foreach_add(list(super().direction(step)), list(step.scratch["correction"]))
-
-    def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
-        c_P, c_k_P = ctx.scratch["c_P"], ctx.scratch["c_k_P"]
-        if "start_grad_P" in ctx.scratch:  # option I
-            new_c_k_P = ctx.scratch["start_grad_P"]
-        else:  # option II
-            w_k_P = out["params_P"]  # the trained model, flattened by train_client
-            drift_P = (ctx.global_P - w_k_P) * ctx.layout.param_mask_P(w_k_P.device)
-            new_c_k_P = c_k_P - c_P + drift_P / (max(num_steps, 1) * lr)
-        if "control_delta_P" in out:
-            out["control_delta_P"].copy_(new_c_k_P - c_k_P)
-        ctx.state["control_P"] = new_c_k_P
-
-
-class Scaffold(ControlVariates, LocalRule):
-    """SCAFFOLD (Karimireddy et al. 2020), option II (default) or option I control variates.
-    Round 1 (c = c_k = 0) is plain local training."""
-
-    name = "scaffold"
-    doc = __doc__
-    params = {"scaffold_control": "II"}
-    param_docs = {"scaffold_control": "SCAFFOLD's client control update. II: c_k+ = c_k - c + (w - w_k) / "
-                                      "(tau lr), exact only for plain SGD; I: c_k+ = the gradient of the "
-                                      "client's mean loss at the global model w (one extra pass over its "
-                                      "data), valid for any optimizer."}
-
-    @classmethod
-    def check_params(cls, params: dict) -> list[str]:
-        return one_of(params, "scaffold_control", ("II", "I"))
-
-    def needs_start_gradient(self, hp) -> bool:
-        return hp.params["scaffold_control"] == "I"
-
-
-class Moon(LocalRule):
-    """MOON (Li et al. 2021): CE + mu * CE([cos(z, z_glob), cos(z, z_prev)] / tau, label 0),
-    z the representation (projection head output if the model has one, else the features). The
-    global and previous models are frozen, in eval mode, as in MOON's code: BatchNorm
-    normalises with their running statistics, which their forward passes leave untouched, and
-    dropout is off. A client without a previous model (its first round) has no contrastive term."""
-
-    name = "moon"
-    client_state = ("prev_P",)
-    per_step = ("has_prev",)
-    doc = __doc__
-    params = {"moon_mu": 1.0, "moon_tau": 0.5, "moon_proj_dim": 256}
-    param_docs = {"moon_mu": "MOON contrastive weight mu.", "moon_tau": "MOON temperature tau.",
-                  "moon_proj_dim": "MOON projection head output size: a 2-layer MLP (d -> d -> this) between "
-                                   "the features and the classifier, as in MOON's code; 0: no head, the "
-                                   "contrastive term reads the features."}
-
-    @classmethod
-    def check_params(cls, params: dict) -> list[str]:
-        return at_least_zero(params, "moon_mu", "moon_proj_dim") + positive(params, "moon_tau")
-
-    def begin(self, model, ctx) -> None:
-        prev_P = ctx.state.get("prev_P")
-        # the models net.frozen runs (side by side, a client without a previous model has the
-        # global one twice when others of its group have theirs, and has_prev 0 gates its term)
-        ctx.scratch["frozen_P"] = [ctx.global_P] + ([prev_P.to(ctx.global_P.device)] if prev_P is not None else [])
-        ctx.scratch["has_prev"] = 1.0 if prev_P is not None else 0.0
-
-    def loss(self, net, x, y, hp):
-        z, output = net.represent(x)
-        loss = net.mean(lambda reduction: net.task.loss(output, y, reduction=reduction))
-        if net.frozen_count < 2:  # no previous model (side by side: none in the group)
-            return loss, loss
-        z_glob, z_prev = net.frozen(x)
-        sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1),
-                            F.cosine_similarity(z, z_prev, dim=1)], dim=1) / hp.params["moon_tau"]
-        labels = torch.zeros(sims.shape[0], dtype=torch.long, device=sims.device)
-        term = hp.params["moon_mu"] * net.mean(lambda reduction: F.cross_entropy(sims, labels, reduction=reduction))
-        # has_prev: 1.0 (a number: every client here has its previous model), or side by side each
-        # client's 1 or 0 (a client without one has the global model twice, its term gated off)
-        has_prev = net.scratch["has_prev"]
-        return loss + (term if isinstance(has_prev, float) else has_prev * term), loss
-
-    def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
-        ctx.state["prev_P"] = ctx.layout.flatten(model)
-        ctx.scratch.pop("frozen", None)
-
-
-class Sam(LocalRule):
-    """FedSAM: step along the gradient at w + rho g / (||g|| + 1e-12). rho = 0 is plain SGD."""
-
-    name = "sam"
-    doc = __doc__
-    eps = 1e-12
-    params = {"sam_rho": 0.1}
-    param_docs = {"sam_rho": "FedSAM / FedSMOO perturbation radius rho."}
-
-    @classmethod
-    def check_params(cls, params: dict) -> list[str]:
-        return at_least_zero(params, *cls.params)
-
-    def rho(self, hp) -> float:
-        return hp.params["sam_rho"]
-
-    def direction(self, step):
-        return step.grads_at(ascent(step, step.grads, self.rho(step.hp), self.eps))
-
-
-class Gam(Sam):
-    """FedGAM, seed 002 eq. 19 as printed (the 2-pass form):
-    grad = g(w) + alpha rho g(w + rho g / ||g||). rho = 0 is plain SGD exactly. (The official GAM
-    step of Zhang et al. 2023 uses 4 passes; it is not implemented here.)"""
-
-    name = "gam"
-    doc = __doc__
-    params = {"gam_rho": 0.02, "gam_alpha": 0.2}
-    param_docs = {"gam_rho": "FedGAM perturbation radius rho.", "gam_alpha": "FedGAM weight alpha of the "
-                                                                             "gradient-norm term."}
-
-    def rho(self, hp) -> float:
-        return hp.params["gam_rho"]
-
-    def direction(self, step):
-        rho, alpha = step.hp.params["gam_rho"], step.hp.params["gam_alpha"]
-        adv = step.grads_at(ascent(step, step.grads, rho, self.eps))
-        return torch._foreach_add(list(step.grads), list(adv), alpha=alpha * rho)
-
-
-class GamCV(ControlVariates, Gam):
-    """FedGAM-CV, seed 002 eqs. 20-21: the GAM direction of eq. 19 plus c - c_k; c_k updated as
-    SCAFFOLD's option II (eq. 21, 1/(eta E) with E local steps). Round 1 equals FedGAM."""
-
-    name = "gam_cv"
-    doc = __doc__
-
-
-class Smoo(LocalRule):
-    """FedSMOO (Sun et al. 2023), after the authors' FL-Simulator: per minibatch, with g = g(w),
-    g' = g - mu_k - s; e = rho g' / (||g'|| + 1e-7); mu_k <- mu_k + e - s; step along
-    g(w + e) + lambda (w - w_global + h_k). After training h_k <- h_k + (w_k - w_global). mu_k and
-    h_k are the client's state (zero at first), s the server's broadcast perturbation correction.
-    The reference code's gradient clipping (norm 10) is left out, as for every other rule but clip."""
-
-    name = "smoo"
-    client_state = ("drift_P", "perturb_dual_P")
-    reads_server = ("perturb_P",)
-    reports = ("perturb_dual_KP",)
-    per_step = ("mu", "s", "anchor")
-    doc = __doc__
-    eps = 1e-7
-    params = {"sam_rho": 0.1, "smoo_lambda": 0.1}
-    param_docs = {"sam_rho": Sam.param_docs["sam_rho"], "smoo_lambda": "FedSMOO dual penalty lambda."}
-
-    @classmethod
-    def check_params(cls, params: dict) -> list[str]:
-        return at_least_zero(params, *cls.params)
-
-    def begin(self, model, ctx) -> None:
-        s_P = ctx.server_view["perturb_P"]
-        state = {}
-        for name in self.client_state:
-            value = ctx.state.get(name)
-            state[name] = torch.zeros_like(s_P) if value is None else value.to(s_P.device).clone()
-        ctx.scratch.update(state)
-        ctx.scratch["s"] = param_views(ctx.layout, s_P)
-        ctx.scratch["mu"] = param_views(ctx.layout, state["perturb_dual_P"])
-        ctx.scratch["anchor"] = param_views(ctx.layout, ctx.global_P - state["drift_P"])
-
-    def direction(self, step):
-        mu, s = step.scratch["mu"], step.scratch["s"]
-        shift = ascent(step, [g - m - s_ for g, m, s_ in zip(step.grads, mu, s)], step.hp.params["sam_rho"], self.eps)
-        step.scratch["mu"] = [m + (e - s_) for m, e, s_ in zip(mu, shift, s)]
-        adv = step.grads_at(shift)
-        lam = step.hp.params["smoo_lambda"]
-        # lambda (w - w_global + h_k) = lambda (w - anchor), anchor = w_global - h_k
-        return [a + lam * (w - anc) for a, w, anc in zip(adv, step.params, step.scratch["anchor"])]
-
-    def end(self, model, ctx, num_steps: int, lr: float, out: dict) -> None:
-        w_k_P = out["params_P"]  # the trained model, flattened by train_client
-        mask_P = ctx.layout.param_mask_P(w_k_P.device)
-        ctx.state["drift_P"] = ctx.scratch["drift_P"] + (w_k_P - ctx.global_P) * mask_P
-        dual_P = ctx.scratch["perturb_dual_P"]  # its parameter part: the steps' last mu
-        for view, mu in zip(param_views(ctx.layout, dual_P), ctx.scratch["mu"]):
-            view.copy_(mu)
-        ctx.state["perturb_dual_P"] = dual_P
-        if "perturb_dual_P" in out:
-            out["perturb_dual_P"].copy_(dual_P)
-
-
-# the built-in local rules of this file, registered by name; RULES is the registry's dict (the
-# rules in their own files, fedddp/client/clip.py, and plugins join it too)
-LOCAL_RULES.update({r.name: r for r in (LocalRule, Prox, Scaffold, Moon, Sam, Gam, GamCV, Smoo)})
-RULES = LOCAL_RULES
-
-
-def get(name: str) -> LocalRule:
-    return RULES[name]()
+add_local(LocalRule)
