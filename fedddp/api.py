@@ -148,7 +148,7 @@ def check(path, overrides: list[str], data: bool = True) -> config_module.Config
     check_out_dir(cfg.run.out_dir)
     refuse_before_data(cfg)
     if data:
-        built = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
+        built = build(cfg, cfg.data.seed, range(cfg.data.num_clients))
         model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
         refuse_before_round_one(cfg, model, built)
     return cfg

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import plugins, tasks
+from . import plugins, registry, tasks
 from .errors import ConfigError, close_match
 
 
@@ -197,13 +197,15 @@ RESUME_MAY_CHANGE = frozenset({
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = opt("synthetic", "Data set: a built-in one; tensors (arrays in the file data.path); or "
+    name: str = opt("synthetic", "Data set: a built-in one; tensors (arrays in the file data.path); "
+                                 "clients_dir (a population on disk in the folder data.path, a client's "
+                                 "samples read when it trains: docs/datasets.md); or "
                                  "module:attr, your callable (root, seed) -> mapping of arrays "
                                  "(docs/extending.md).",
-                    ("synthetic", "mnist", "fashionmnist", "cifar10", "cifar100", "cmapss", "femnist",
-                     "colored_mnist", "tensors"), plugin=True)
+                    tuple(registry.DATA_SETS), plugin=True)
     path: str = opt("", "data.name = tensors: the .npz (numpy) or .pt (torch) file holding x_train, y_train, "
-                        "x_test, y_test and optionally client_train, task, num_classes (docs/extending.md).")
+                        "x_test, y_test and optionally client_train, task, num_classes (docs/extending.md); "
+                        "data.name = clients_dir: its folder.")
     root: str = opt("", "Folder holding the data sets (torchvision layout, e.g. ROOT/MNIST/raw). "
                         "Empty: $FEDDDP_DATA, else ./data.")
     download: bool = opt(False, "Let torchvision download a missing data set (needs internet).")
@@ -612,7 +614,7 @@ def check_fields(cfg: Config) -> list[str]:
                       f"{cfg.data.colored_flip_min} and {cfg.data.colored_flip_max}")
     # clients come with the data; the others are partitioned. A tensors file or a data callable
     # may bring its own (client_train), checked when it is read.
-    own_clients = ("femnist", "synthetic", "cmapss", "tensors")
+    own_clients = ("femnist", "synthetic", "cmapss", "tensors", "clients_dir")
     if cfg.data.partition == "natural" and cfg.data.name not in own_clients and not plugins.is_path(cfg.data.name):
         errors.append(f"data.partition: natural needs a data set with its own clients (femnist: its writers); "
                       f"data.name = {cfg.data.name} has none, use iid, dirichlet, shards or classes")

@@ -1,5 +1,5 @@
 """The names fedddp knows, at the bottom of the import graph: server rules, local rules, the
-algorithms that pair them, and each algorithm's client weighting.
+algorithms that pair them, each algorithm's client weighting, and the data sets.
 
 Every rule joins through one path: ``add_server``, ``add_local`` and ``add_algorithm``, which
 refuse a name already taken. Built-in rules call them from their own modules (a server rule in
@@ -13,6 +13,7 @@ the tables as it found them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 # name -> Strategy (fedddp.strategies.base): the server rules
 SERVER_RULES: dict[str, object] = {}
@@ -126,3 +127,22 @@ def kept():
         yield
     finally:
         restore(saved)
+
+
+# data.name -> the function that builds it (fedddp.data.build). The built-in names stand here, so a
+# config is checked (config.DataConfig's choices) before fedddp.data, and torch, is imported; each
+# builder fills its entry when fedddp.data.build is imported (``builds``).
+DATA_SETS: dict[str, Callable | None] = dict.fromkeys((
+    "synthetic", "mnist", "fashionmnist", "cifar10", "cifar100", "cmapss", "femnist", "colored_mnist", "tensors",
+    "clients_dir"))
+
+
+def builds(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: ``fn`` builds data.name = ``name``, a name DATA_SETS declares."""
+    if name not in DATA_SETS:
+        raise KeyError(f"data set {name!r} is not declared in fedddp.registry.DATA_SETS")
+
+    def register(fn: Callable) -> Callable:
+        DATA_SETS[name] = fn
+        return fn
+    return register

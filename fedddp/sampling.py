@@ -8,6 +8,7 @@ bitwise the same for any number of ranks.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Distinct streams so the sampler, a client's training and the data never share a seed.
@@ -21,20 +22,16 @@ _HELD_OUT_STREAM = 0x4E1D
 
 def _mix(*parts: int) -> int:
     """A 63-bit seed from a tuple of ints (splitmix64-style), stable across platforms."""
-    x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
-        x ^= x >> 29
-    return x & 0x7FFFFFFFFFFFFFFF
+    return _mix_prefix(*parts) & 0x7FFFFFFFFFFFFFFF
 
 
 def owner(client_id: int, world_size: int) -> int:
     return client_id % world_size
 
 
-def owned_clients(num_clients: int, rank: int, world_size: int) -> list[int]:
-    return list(range(rank, num_clients, world_size))
+def owned_clients(num_clients: int, rank: int, world_size: int) -> range:
+    """The client ids ``rank`` owns, ascending: a range, so a population of millions lists none."""
+    return range(rank, num_clients, world_size)
 
 
 def sample_clients(num_clients: int, num_sampled: int, seed: int, round_idx: int) -> list[int]:
@@ -53,7 +50,37 @@ def sample_poisson(num_clients: int, rate: float, seed: int, round_idx: int) -> 
     rank, so every rank computes the same cohort without communicating, for any world size."""
     if rate >= 1.0:
         return list(range(num_clients))
-    return [c for c in range(num_clients) if uniform(_POISSON_STREAM, seed, round_idx, c) < rate]
+    cohort = []
+    for begin in range(0, num_clients, POISSON_BLOCK):  # a block at a time: memory stays flat in N
+        client_C = np.arange(begin, min(begin + POISSON_BLOCK, num_clients), dtype=np.uint64)
+        cohort.extend((begin + np.flatnonzero(uniforms(client_C, _POISSON_STREAM, seed, round_idx) < rate)).tolist())
+    return cohort
+
+
+# Clients whose Poisson draws are computed at once (8 bytes each, a few arrays).
+POISSON_BLOCK = 1 << 16
+
+
+def uniforms(last_C: np.ndarray, *parts: int) -> np.ndarray:
+    """``uniform(*parts, c)`` for each c of the uint64 array ``last_C``, bit for bit: ``_mix``
+    in numpy's uint64 arithmetic (which wraps modulo 2**64, as ``_mix`` masks)."""
+    x = _mix_prefix(*parts)
+    with np.errstate(over="ignore"):
+        x_C = (np.uint64(x) ^ last_C) * np.uint64(0xBF58476D1CE4E5B9)
+        x_C = (x_C ^ (x_C >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
+        x_C ^= x_C >> np.uint64(29)
+    x_C &= np.uint64(0x7FFFFFFFFFFFFFFF)
+    return (x_C >> np.uint64(10)).astype(np.float64) * 2.0 ** -53
+
+
+def _mix_prefix(*parts: int) -> int:
+    """splitmix64-style state after ``parts``, before ``_mix``'s final mask to 63 bits."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 29
+    return x
 
 
 def uniform(*parts: int) -> float:

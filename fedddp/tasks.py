@@ -46,10 +46,10 @@ REGRESSION_DATA = ("cmapss",)
 
 
 def of_data(data_name: str) -> str | None:
-    """The task of a data set known by name; None for a tensors file or a data callable, whose
-    task is known once the arrays are read (the checks that need it then run on the built
-    data and model: fedddp.models.build_model)."""
-    if data_name == "tensors" or ":" in data_name:
+    """The task of a data set known by name; None for a tensors file, a clients_dir folder or a
+    data callable, whose task is known once the arrays are read (the checks that need it then
+    run on the built data and model: fedddp.models.build_model)."""
+    if data_name in ("tensors", "clients_dir") or ":" in data_name:
         return None
     return "regression" if data_name in REGRESSION_DATA else "classification"
 

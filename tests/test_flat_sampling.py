@@ -68,7 +68,7 @@ def test_row_layout_orders_by_client_id():
     # rank 0 owns none but padding, rank 1 owns 1, 4, 7; rank 2 owns 2, 8
     assert rows_per_rank == 3
     assert order == [3, 6, 4, 5, 7]
-    assert sampling.owned_clients(7, 1, 3) == [1, 4]
+    assert list(sampling.owned_clients(7, 1, 3)) == [1, 4]
 
 
 def test_client_seeds_differ():

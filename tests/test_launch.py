@@ -293,7 +293,7 @@ def test_client_ownership_and_report_order_ignore_node_layout(nodes, per_node):
     num_clients, world = 30, 8
     ranks = [env.resolve(slurm_task(p, nodes, per_node)).rank for p in range(world)]
     owned = {r: owned_clients(num_clients, r, world) for r in ranks}
-    assert owned == {r: list(range(r, num_clients, world)) for r in range(world)}
+    assert owned == {r: range(r, num_clients, world) for r in range(world)}
     assert sorted(c for cs in owned.values() for c in cs) == list(range(num_clients))
     sampled = sample_clients(num_clients, 10, seed=0, round_idx=1)
     assert all(owner(c, world) in ranks for c in sampled)

@@ -1,5 +1,9 @@
 """``build(cfg, seed, owned_ids)``: the data set named by ``cfg.data``, split over clients; ``seed``
 is the data seed (``data.seed``), never the run seed, so a run seed changes only training.
+Each data set's builder registers under its name (``registry.builds``; the names are declared
+in ``registry.DATA_SETS``, which config.py reads); a module:attr data.name is a data callable.
+``owned_ids``: the client ids this rank may train, any sized iterable (a range for a population
+of millions, so nothing per client is listed).
 With data.client_test_fraction > 0 each client's held-out samples (client evaluation) are taken
 out of its training samples, seeded by (data seed, client id).
 
@@ -17,11 +21,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import cmapss, colored, idx, leaf, partition, synthetic, tensors, vision
+from . import clients_dir, cmapss, colored, idx, leaf, partition, synthetic, tensors, vision
 from .clients import ClientData, FederatedData, LazyClients, hold_out
 from .. import plugins
 from ..config import DataConfig
 from ..errors import ConfigError, DataError
+from ..registry import DATA_SETS, builds
 
 # Data sets whose loaders make every requested client's float tensors when they build: asked for
 # every client, each rank would hold the whole training set as float32 (FEMNIST: every writer's
@@ -30,31 +35,63 @@ from ..errors import ConfigError, DataError
 BUILT_WHOLE = frozenset({"femnist", "colored_mnist"})
 
 
-def build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
+def build(cfg, seed: int, owned_ids) -> FederatedData:
     """The data set, split over clients; with data.client_test_fraction > 0 each client's
     held-out samples (client evaluation) taken out of its training samples (``clients.hold_out``),
     seeded by ``seed`` and the client id alone."""
     return hold_out(_build(cfg, seed, owned_ids), getattr(cfg.data, "client_test_fraction", 0.0), seed)
 
 
-def _build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
+def _build(cfg, seed: int, owned_ids) -> FederatedData:
     data = cfg.data
     if seed < 0:  # numpy's SeedSequence takes only non-negative entropy
         raise ConfigError(f"data.seed: must be >= 0, got {seed}")
-    assert all(0 <= k < data.num_clients for k in owned_ids), (owned_ids, data.num_clients)
-    if data.name == "synthetic":
-        return synthetic.build(data, seed, owned_ids)
-    if data.name == "cmapss":
-        return cmapss.build(data, cfg.data_root(), owned_ids)
-    if data.name == "femnist":
-        return leaf.build(data, cfg.data_root(), owned_ids)
-    if data.name == "tensors":
-        return tensors.build(tensors.read(data.path), f"data.path: {data.path}", data, seed, owned_ids)
+    assert not len(owned_ids) or 0 <= min(owned_ids) <= max(owned_ids) < data.num_clients, data.num_clients
     if plugins.is_path(data.name):  # called alike on every rank: the same arrays, the same partition
         with plugins.calling("data.name", f"{data.name}(root, seed)"):
             mapping = plugins.get(data.name, "data.name")(cfg.data_root(), seed)
         return tensors.build(mapping, f"data.name: {data.name}(root, seed)", data, seed, owned_ids)
+    builder = DATA_SETS.get(data.name)
+    if builder is None:
+        valid = DataConfig.__dataclass_fields__["name"].metadata["choices"]
+        raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: {', '.join(valid)})")
+    return builder(cfg, seed, owned_ids)
 
+
+@builds("synthetic")
+def _synthetic(cfg, seed: int, owned_ids) -> FederatedData:
+    return synthetic.build(cfg.data, seed, owned_ids)
+
+
+@builds("cmapss")
+def _cmapss(cfg, seed: int, owned_ids) -> FederatedData:
+    return cmapss.build(cfg.data, cfg.data_root(), owned_ids)
+
+
+@builds("femnist")
+def _femnist(cfg, seed: int, owned_ids) -> FederatedData:
+    return leaf.build(cfg.data, cfg.data_root(), owned_ids)
+
+
+@builds("tensors")
+def _tensors(cfg, seed: int, owned_ids) -> FederatedData:
+    return tensors.build(tensors.read(cfg.data.path), f"data.path: {cfg.data.path}", cfg.data, seed, owned_ids)
+
+
+@builds("clients_dir")
+def _clients_dir(cfg, seed: int, owned_ids) -> FederatedData:
+    return clients_dir.build(cfg.data, owned_ids)
+
+
+@builds("mnist")
+@builds("fashionmnist")
+@builds("cifar10")
+@builds("cifar100")
+@builds("colored_mnist")
+def _images(cfg, seed: int, owned_ids) -> FederatedData:
+    """The image sets: IDX (MNIST, Fashion-MNIST; colored MNIST paints MNIST digits) or
+    torchvision's CIFAR files, partitioned over the clients by data.partition."""
+    data = cfg.data
     if not 0.0 <= data.holdout_from_test < 1.0:
         raise ConfigError(f"data.holdout_from_test: must be in [0, 1), got {data.holdout_from_test}")
     holdout = data.holdout_from_test > 0
@@ -63,12 +100,9 @@ def _build(cfg, seed: int, owned_ids: list[int]) -> FederatedData:
     if source in idx.FOLDERS:
         train, test = idx.load(root, source, with_train=not holdout, download=data.download)
         (mean_C, std_C), num_classes = idx.STATS[source], 10
-    elif data.name in vision.STATS:
+    else:
         train, test = vision.load(root, data.name, download=data.download)
         (mean_C, std_C), num_classes = vision.STATS[data.name], vision.NUM_CLASSES[data.name]
-    else:
-        valid = DataConfig.__dataclass_fields__["name"].metadata["choices"]
-        raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: {', '.join(valid)})")
     if holdout:
         train, test = partition.holdout_split(test, data.holdout_from_test, seed)
     for _, labels in (train, test):

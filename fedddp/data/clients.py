@@ -37,16 +37,22 @@ class FederatedData:
 
 class LazyClients(Mapping):
     """{client id: ClientData} whose tensors are made on first access and then kept: a rank that
-    may train any client pays only for those it has trained (the uint8 source stays in RAM)."""
+    may train any client pays only for those it has trained (the uint8 source stays in RAM).
+    ``keep=False`` makes a client afresh at each access and keeps nothing, for a source that
+    reads a client cheaply (data.name = clients_dir), so memory does not grow with the clients
+    trained. ``ids`` as a range stays a range: nothing is listed per client of a population."""
 
-    def __init__(self, make: Callable[[int], ClientData], ids: Iterable[int]):
-        self._make, self._ids, self._made = make, sorted(set(ids)), {}
-        self._id_set = set(self._ids)
+    def __init__(self, make: Callable[[int], ClientData], ids: Iterable[int], keep: bool = True):
+        self._make, self._keep, self._made = make, keep, {}
+        self._ids = ids if isinstance(ids, range) and ids.step > 0 else sorted(set(ids))
+        self._id_set = self._ids if isinstance(self._ids, range) else set(self._ids)
 
     def __getitem__(self, cid: int) -> ClientData:
         if cid not in self._made:
             if cid not in self._id_set:
                 raise KeyError(cid)
+            if not self._keep:
+                return self._make(cid)
             self._made[cid] = self._make(cid)
         return self._made[cid]
 
@@ -61,7 +67,12 @@ class LazyClients(Mapping):
 
     def mapped(self, fn: Callable[[ClientData], ClientData]) -> "LazyClients":
         """The same clients with ``fn`` applied on first access (e.g. a move to the GPU)."""
-        return LazyClients(lambda cid: fn(self._make(cid)), self._ids)
+        return LazyClients(lambda cid: fn(self._make(cid)), self._ids, self._keep)
+
+    @property
+    def ids(self):
+        """The client ids, ascending (a range where given one)."""
+        return self._ids
 
 
 def held_out_count(n: int, fraction: float) -> int:
@@ -100,9 +111,9 @@ def hold_out(data: FederatedData, fraction: float, data_seed: int) -> FederatedD
             return ClientData(full.x[index], full.y[index])
         return make
 
-    ids = list(source)
-    data.held_out = LazyClients(part(1), ids)
-    data.train = LazyClients(part(0), ids)
+    ids, keep = (source.ids, source._keep) if isinstance(source, LazyClients) else (list(source), True)
+    data.held_out = LazyClients(part(1), ids, keep)
+    data.train = LazyClients(part(0), ids, keep)
     data.num_held_out = [held_out_count(n, fraction) for n in counts]
     data.num_samples = [n - m for n, m in zip(counts, data.num_held_out)]
     return data
