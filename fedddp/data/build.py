@@ -39,48 +39,49 @@ def build(cfg, seed: int, owned_ids) -> FederatedData:
     """The data set, split over clients; with data.client_test_fraction > 0 each client's
     held-out samples (client evaluation) taken out of its training samples (``clients.hold_out``),
     seeded by ``seed`` and the client id alone."""
-    return hold_out(_build(cfg, seed, owned_ids), getattr(cfg.data, "client_test_fraction", 0.0), seed)
+    return hold_out(_build(cfg.data, cfg.data_root(), seed, owned_ids),
+                    getattr(cfg.data, "client_test_fraction", 0.0), seed)
 
 
-def _build(cfg, seed: int, owned_ids) -> FederatedData:
-    data = cfg.data
+def _build(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
+    """The data set of the data section, its files under ``root``; each builder reads those two."""
     if seed < 0:  # numpy's SeedSequence takes only non-negative entropy
         raise ConfigError(f"data.seed: must be >= 0, got {seed}")
     assert not len(owned_ids) or 0 <= min(owned_ids) <= max(owned_ids) < data.num_clients, data.num_clients
     if plugins.is_path(data.name):  # called alike on every rank: the same arrays, the same partition
         with plugins.calling("data.name", f"{data.name}(root, seed)"):
-            mapping = plugins.get(data.name, "data.name")(cfg.data_root(), seed)
+            mapping = plugins.get(data.name, "data.name")(root, seed)
         return tensors.build(mapping, f"data.name: {data.name}(root, seed)", data, seed, owned_ids)
     builder = DATA_SETS.get(data.name)
     if builder is None:
         valid = DataConfig.__dataclass_fields__["name"].metadata["choices"]
         raise ConfigError(f"data.name: unknown data set {data.name!r} (valid: {', '.join(valid)})")
-    return builder(cfg, seed, owned_ids)
+    return builder(data, root, seed, owned_ids)
 
 
 @builds("synthetic")
-def _synthetic(cfg, seed: int, owned_ids) -> FederatedData:
-    return synthetic.build(cfg.data, seed, owned_ids)
+def _synthetic(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
+    return synthetic.build(data, seed, owned_ids)
 
 
 @builds("cmapss")
-def _cmapss(cfg, seed: int, owned_ids) -> FederatedData:
-    return cmapss.build(cfg.data, cfg.data_root(), owned_ids)
+def _cmapss(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
+    return cmapss.build(data, root, owned_ids)
 
 
 @builds("femnist")
-def _femnist(cfg, seed: int, owned_ids) -> FederatedData:
-    return leaf.build(cfg.data, cfg.data_root(), owned_ids)
+def _femnist(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
+    return leaf.build(data, root, owned_ids)
 
 
 @builds("tensors")
-def _tensors(cfg, seed: int, owned_ids) -> FederatedData:
-    return tensors.build(tensors.read(cfg.data.path), f"data.path: {cfg.data.path}", cfg.data, seed, owned_ids)
+def _tensors(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
+    return tensors.build(tensors.read(data.path), f"data.path: {data.path}", data, seed, owned_ids)
 
 
 @builds("clients_dir")
-def _clients_dir(cfg, seed: int, owned_ids) -> FederatedData:
-    return clients_dir.build(cfg.data, owned_ids)
+def _clients_dir(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
+    return clients_dir.build(data, owned_ids)
 
 
 @builds("mnist")
@@ -88,14 +89,12 @@ def _clients_dir(cfg, seed: int, owned_ids) -> FederatedData:
 @builds("cifar10")
 @builds("cifar100")
 @builds("colored_mnist")
-def _images(cfg, seed: int, owned_ids) -> FederatedData:
+def _images(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
     """The image sets: IDX (MNIST, Fashion-MNIST; colored MNIST paints MNIST digits) or
     torchvision's CIFAR files, partitioned over the clients by data.partition."""
-    data = cfg.data
     if not 0.0 <= data.holdout_from_test < 1.0:
         raise ConfigError(f"data.holdout_from_test: must be in [0, 1), got {data.holdout_from_test}")
     holdout = data.holdout_from_test > 0
-    root = cfg.data_root()
     source = "mnist" if data.name == "colored_mnist" else data.name  # colored MNIST paints MNIST digits
     if source in idx.FOLDERS:
         train, test = idx.load(root, source, with_train=not holdout, download=data.download)
