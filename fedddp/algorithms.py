@@ -78,12 +78,13 @@ def _check_pair(cfg, local: str, server: str, params: dict) -> list[str]:
     return errors + check_optimizer(cfg.train)
 
 
-def sampling_of(cfg) -> str:
-    """run.sampling, fixed or poisson: with auto, poisson for a private server rule (DP-FedAvg,
-    whose accountant then matches the sampling) and fixed for the others."""
-    if cfg.run.sampling != "auto":
-        return cfg.run.sampling
-    server = resolve(cfg.algorithm)[1]
+def sampling_of(sampling: str, hp) -> str:
+    """run.sampling (``sampling``), fixed or poisson: with auto, poisson for a private server rule
+    of the algorithm section ``hp`` (DP-FedAvg, whose accountant then matches the sampling) and
+    fixed for the others."""
+    if sampling != "auto":
+        return sampling
+    server = resolve(hp)[1]
     return "poisson" if getattr(strategies.SERVER_RULES.get(server), "private", False) else "fixed"
 
 

@@ -34,7 +34,7 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
     # sampling and rule parameters (the declared defaults filled in)
     hp = algorithms.resolved(cfg.algorithm)
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(hp, weighting=weighting_of(hp)),
-                               run=dataclasses.replace(cfg.run, sampling=algorithms.sampling_of(cfg)))
+                               run=dataclasses.replace(cfg.run, sampling=algorithms.sampling_of(cfg.run.sampling, cfg.algorithm)))
 
 
 def validate(cfg: config.Config) -> list[str]:

@@ -78,7 +78,7 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     """The run's parts on this rank, the model broadcast from rank 0; config.toml and the logs
     are rank 0's book (book.py)."""
     # auto sampling resolved (checks.load has done it for a loaded config; a hand-made one may not)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sampling=sampling_of(cfg)))
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sampling=sampling_of(cfg.run.sampling, cfg.algorithm)))
     rc = cfg.run
     torch.set_num_threads(rc.num_threads)
     # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
