@@ -232,6 +232,10 @@ def plugin_registries(monkeypatch):
     """The registries plugins join (fedddp.registry's tables, the imported modules) and sys.path
     restored after the test, so no other test sees the plugins it registered."""
     monkeypatch.setattr(sys, "path", list(sys.path))
+    # the built-in rules register as fedddp.algorithms is imported, which the command line does
+    # only once it needs them: registered before the snapshot, restore keeps them
+    import fedddp.algorithms  # noqa: F401
+    import fedddp.data.build  # noqa: F401  (the data sets' builders, likewise)
     saved, objects = registry.snapshot(), dict(plugins._objects)
     yield
     registry.restore(saved)
