@@ -5,7 +5,7 @@ Legend: B clients of a group, S padded samples of a step (the group's largest ba
 elements, T parameter tensors.
 
 Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` over the stacked
-parameters (``Compiled``: through torch.compile under run.compile), then the rule's direction and
+parameters (through torch.compile under run.compile: ``Compiled``, client/compiled.py), then the rule's direction and
 the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_client``'s semantics client by client (that path,
 ``B = 1``, stays the reference):
 
@@ -34,14 +34,14 @@ the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_clie
 - dropout: vmap refuses random operations, so each client's masks are drawn outside it from
   (its seed, step, layer) as ``models.dropout.SeededDropout`` draws them in the sequential path
   (a counter-based hash: every client's and step's masks of a group in one draw a layer, padded
-  with zeros), and the twin's ``_MaskedDropout`` layers multiply by them; any other random operation is a config error naming the module, found before round 1 by
+  with zeros), and the masked twin's ``MaskedDropout`` layers (client/masked.py) multiply by them; any other random operation is a config error naming the module, found before round 1 by
   ``try_step`` (which the run and ``--check`` call).
 
 BatchNorm: each client has its own running statistics (running_mean, running_var,
 num_batches_tracked), stacked on the client dimension like the parameters and starting from the
 global vector's (``model.flat_buffers = true``; with false the sequential path's statistics are
 whatever the rank's previous client left, so B > 1 is refused). In the batched computation every
-BatchNorm layer is a ``_MaskedBatchNorm`` (a copy of the model on the meta device holds them):
+BatchNorm layer is a ``MaskedBatchNorm`` (client/masked.py; a copy of the model on the meta device holds them):
 in training mode it normalises with the mean and biased variance of the client's own samples
 only (padding has mask 0 and enters neither), and returns that mean and the unbiased variance as
 auxiliary outputs of ``grad_and_value``; the running statistics are then updated outside the
@@ -52,7 +52,7 @@ eval mode on their own running statistics. Other buffers (not BatchNorm's) are r
 2.14's vmap of ``F.batch_norm`` does update batched buffers in place, but it would take the
 padding into the statistics; on CPU masking costs 2-14% of a ResNet-18 step against it:
 BENCHMARKS.md.) A call without padding (every client's batch of one width) normalises with
-torch's own fused kernel and takes the statistics beside it (``_Batch.full``). On CPU a step
+torch's own fused kernel and takes the statistics beside it (``Batch.full``). On CPU a step
 whose clients' batches differ in width (a partial batch beside full ones) runs one such call per
 width on unpadded rows (``_by_width``), so no padding is computed; on a GPU it stays one padded,
 masked call (``SPLIT_DEVICES``). Memory:
@@ -67,14 +67,10 @@ size (``fedddp.sampling.assign_groups``).
 
 from __future__ import annotations
 
-import copy
 import math
-import os
-import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_map
@@ -84,10 +80,11 @@ from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..models import dropout
 from ..registry import LOCAL_RULES, resolve
-from ..strategies.kernels import cache_dir as kernels_cache_dir
 from . import precision, rules
 from . import ClientContext, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
+from .compiled import Compiled
+from .masked import Batch, masked_twin
 
 # Devices where a BatchNorm model's step whose batches differ in width runs one call per width
 # instead of one padded call: on CPU the cost follows the samples computed, padding included
@@ -249,97 +246,6 @@ def _one_for_all(values: list) -> bool:
     first = where(values[0])
     return all(where(v) == first for v in values[1:])
 
-class _Batch:
-    """What the masked BatchNorm and dropout layers of one forward read and write: the client's
-    sample mask [S] and count and its dropout masks by layer index ([S, ...] each; under vmap
-    each client's own), whether the call has no padding at all (``full``: every mask all ones),
-    and, in the order the layers ran, the names of the layers that computed batch statistics
-    and those statistics."""
-
-    def __init__(self):
-        self.mask = self.count = None
-        self.full = False
-        self.drops = {}
-        self.names, self.stats = [], []
-
-
-class _MaskedBatchNorm(nn.Module):
-    """A BatchNorm layer (any dimension) over the samples of ``batch.mask`` only, with the same
-    parameters and buffers (names, shapes) as the layer it stands for. It never writes its
-    buffers: in training mode it appends (mean, unbiased variance) to ``batch.stats`` for the
-    caller to update the running statistics outside the torch.func transforms."""
-
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, name: str, batch: _Batch):
-        super().__init__()
-        self.eps, self.momentum, self.name, self.batch = bn.eps, bn.momentum, name, batch
-        self.weight, self.bias = bn.weight, bn.bias
-        for key in ("running_mean", "running_var", "num_batches_tracked"):
-            self.register_buffer(key, getattr(bn, key, None))
-
-    def forward(self, x):
-        shape = (1, -1) + (1,) * (x.dim() - 2)  # [C] broadcast over [S, C, ...]
-        dims = [0] + list(range(2, x.dim()))
-        if self.batch.full and (self.training or self.running_mean is None):
-            # no padding in this call: torch's fused kernel over all the samples (1.13x faster
-            # than masking on a CPU ResNet-18 step of 4 clients, BENCHMARKS.md), the statistics
-            # for the running ones beside it
-            # in float32, as the masked form computes (its float32 mask promotes a bfloat16 input
-            # under train.precision = bf16); vmap's batch_norm refuses mixed dtypes besides
-            if x.dtype != torch.float32:
-                x = x.float()
-            if self.training and self.running_mean is not None:
-                var_C, mean_C = torch.var_mean(x.detach(), dims, correction=1)
-                self.batch.names.append(self.name)
-                self.batch.stats += [mean_C, var_C]
-            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if self.training or self.running_mean is None:  # torch's bn_training
-            mask = self.batch.mask.view((-1,) + (1,) * (x.dim() - 1))
-            n = self.batch.count * (x[0, 0].numel())  # the client's values per channel
-            mean_C = (x * mask).sum(dims) / n
-            centred = x - mean_C.view(shape)
-            var_C = (centred * centred * mask).sum(dims) / n
-            if self.training and self.running_mean is not None:
-                self.batch.names.append(self.name)
-                self.batch.stats += [mean_C.detach(), (var_C * (n / (n - 1))).detach()]
-            out = centred * torch.rsqrt(var_C + self.eps).view(shape)
-        else:
-            out = (x - self.running_mean.view(shape)) * torch.rsqrt(self.running_var + self.eps).view(shape)
-        if self.weight is not None:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
-
-
-class _MaskedDropout(nn.Module):
-    """A ``dropout.SeededDropout`` whose mask is the client's for this step, ``batch.drops``
-    (drawn outside vmap as the sequential path draws it): no random operation under vmap."""
-
-    def __init__(self, layer: dropout.SeededDropout, batch: _Batch):
-        super().__init__()
-        self.p, self.index, self.batch = layer.p, layer.index, batch
-
-    def forward(self, x):
-        if not self.training or self.p == 0:
-            return x
-        return x * self.batch.drops[self.index]
-
-
-def _masked_twin(model: nn.Module, batch: _Batch) -> nn.Module:
-    """The model with each BatchNorm layer a ``_MaskedBatchNorm`` and each dropout layer a
-    ``_MaskedDropout``, on the meta device: functional_call supplies every parameter and
-    buffer, so it holds no memory of its own."""
-    twin = copy.deepcopy(model).to("meta")
-    for name, module in list(twin.named_modules()):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            masked = _MaskedBatchNorm(module, name, batch)
-        elif isinstance(module, dropout.SeededDropout):
-            masked = _MaskedDropout(module, batch)
-        else:
-            continue
-        parent, _, child = name.rpartition(".")
-        setattr(twin.get_submodule(parent) if parent else twin, child, masked)
-    return twin
-
-
 def _check_buffers(model: nn.Module, layout: FlatLayout, cfg) -> None:
     """BatchNorm statistics are batched when they travel in the flat vector; anything else is a
     config error naming the fix."""
@@ -353,74 +259,6 @@ def _check_buffers(model: nn.Module, layout: FlatLayout, cfg) -> None:
     if bn_buffers and not any(not e.is_param for e in layout.entries):
         raise ConfigError(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
 
-
-
-def _pad(t: torch.Tensor, rows: int, width: int | None = None, fill_first: bool = False) -> torch.Tensor:
-    """``t`` [L, ...] padded to ``rows`` rows (copies of row 0 when ``fill_first``, else zeros) and,
-    given ``width``, its second dimension to ``width`` (zeros)."""
-    if width is not None and t.shape[1] < width:
-        t = torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]))], dim=1)
-    if t.shape[0] < rows:
-        extra = (rows - t.shape[0],) + tuple(t.shape[1:])
-        t = torch.cat([t, t[:1].expand(extra) if fill_first else t.new_zeros(extra)])
-    return t
-
-
-def compile_cache_hits() -> int:
-    """Compiled graphs this process has loaded from torch.compile's disk caches (inductor's FX
-    graphs, AOTAutograd's forward and backward)."""
-    from torch._dynamo.utils import counters  # here: importing dynamo costs a run without compile time
-
-    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-
-
-class Compiled:
-    """run.compile: ``torch.compile`` of the side-by-side gradient function, called with every
-    per-client tensor padded to B clients (copies of the first; mask 0, count 1) and the batch to
-    train.batch_size samples (mask 0), so the shapes, and the one graph, stay the same across
-    steps, rounds and a last group smaller than B. Compiled on the first call, its time kept in
-    ``seconds`` (one line says it); a model torch.compile cannot take runs eagerly from then on,
-    said in one line (``note``), never a traceback."""
-
-    def __init__(self, fn, cfg):
-        # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not
-        # in inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another
-        # node with the same home folder loads them instead of compiling again
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels_cache_dir(), "inductor"))
-        self.fn, self.rows, self.width = torch.compile(fn, dynamic=False), int(cfg.run.parallel_clients), \
-            cfg.train.batch_size if cfg.train.batch_size > 0 else None
-        self.seconds, self.note, self.failed = None, "", False
-
-    def __call__(self, params_T, buffers_T, x, y, mask, count, drops, inputs):
-        """The gradients, (objective, (loss, stats)) of the clients given, or None (run eagerly)."""
-        if self.failed:
-            return None
-        L, rows, width = x.shape[0], max(self.rows, x.shape[0]), max(self.width or 0, x.shape[1])
-        per_client = lambda ts: [_pad(t, rows, fill_first=True) for t in ts]  # noqa: E731
-        args = (per_client(params_T), per_client(buffers_T), _pad(x, rows, width), _pad(y, rows, width),
-                _pad(mask, rows, width), torch.cat([count, count.new_ones(rows - L)]),
-                {k: _pad(v, rows, width) for k, v in drops.items()},
-                {k: per_client(v) for k, v in inputs.items()})
-        if self.seconds is None and x.device.type == "cpu":  # said before the silence, not after it
-            print("fedddp: run.compile: compiling the side-by-side step; on CPU that can take minutes (seconds "
-                  "from the cache of an earlier run) and rarely pays (BENCHMARKS.md)", file=sys.stderr, flush=True)
-        start, hits = time.perf_counter(), compile_cache_hits()
-        try:
-            grads_T, (objective, (loss_L, stats)) = self.fn(*args)
-        except Exception as exc:  # noqa: BLE001 - any failure of the compiler: the eager step is the reference
-            self.failed = True
-            first = " ".join(str(exc).split())[:200]
-            self.note = f"run.compile: torch.compile failed ({type(exc).__name__}: {first}); side by side runs eagerly"
-            print(f"fedddp: {self.note}", file=sys.stderr, flush=True)
-            return None
-        if self.seconds is None:
-            self.seconds = time.perf_counter() - start
-            self.cache_hits = compile_cache_hits() - hits
-            cached = (f", {self.cache_hits} graph(s) loaded from {os.environ['TORCHINDUCTOR_CACHE_DIR']}"
-                      if self.cache_hits else f"; kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']} for later runs")
-            print(f"fedddp: run.compile: side-by-side step compiled in {self.seconds:.1f} s (once a run{cached})",
-                  file=sys.stderr, flush=True)
-        return [g[:L] for g in grads_T], (objective[:L], (loss_L[:L], tuple(t[:L] for t in stats)))
 
 
 # A group's dropout masks for all its steps are drawn at once up to this size (float32), each
@@ -493,11 +331,11 @@ class BatchedTrainer:
         self.buffer_index = {e.name: i for i, e in enumerate(self.buffer_entries)}  # position in stacks["buffers"]
         # dropout layers, and each one's input shape per sample (``_dropout_shapes``)
         self.dropouts, self.drop_shapes = dropout.layers(model), None
-        self.batch, self.stat_names = _Batch(), []
+        self.batch, self.stat_names = Batch(), []
         # the step's clients by batch width when it is split (``_width_parts``), and whether its
         # batches are all of one width (no padding: BatchNorm then runs torch's own kernel)
         self.parts, self.full = None, False
-        self.net = _masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
+        self.net = masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
         self.represent = _Represent(self.net)  # (representation, output), for rules that read z (MOON)
         # the rule's scratch entries (their forms: "list" of tensors, or "one" tensor or number),
         # and for the group being trained: what every client shares, its frozen models, hp
