@@ -55,7 +55,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
 
     sys.path.insert(0, REPO)
     from fedddp import checks, tasks
-    from fedddp.client import ClientContext, train_client
+    from fedddp.client import ClientContext, LocalTraining, train_client
     from fedddp.client import rules
     from fedddp.client.batched import BatchedTrainer
     from fedddp.data import ClientData
@@ -92,7 +92,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
         return ClientContext(k, 1, global_P, layout, cfg.algorithm, {}, {}, task=task)
 
     if mode == "batched":
-        trainer = BatchedTrainer(model, layout, cfg, rule, needs, task)
+        trainer = BatchedTrainer(model, layout, LocalTraining.of(cfg), rule, needs, task)
 
         def once(clients_now):
             trainer.train_group([(context(k), d, 1000 + k, 0, {"params_P": rows_KP[k]})
@@ -101,7 +101,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
         def once(clients_now):
             for k, d in enumerate(clients_now):
                 layout.unflatten_into(global_P, model)
-                train_client(model, context(k), d, cfg, rule, needs, 1000 + k, {"params_P": rows_KP[k]})
+                train_client(model, context(k), d, LocalTraining.of(cfg), rule, needs, 1000 + k, {"params_P": rows_KP[k]})
 
     once(clients[:min(2, count)])  # warm-up: first allocations, kernel choice
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -75,13 +75,12 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
-from .. import strategies, tasks
 from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..models import dropout
 from ..registry import LOCAL_RULES, resolve
 from . import precision, rules
-from . import ClientContext, Schedule, finish_report, start_gradient
+from . import ClientContext, LocalTraining, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
 from .compiled import Compiled
 from .masked import Batch, masked_twin
@@ -126,16 +125,6 @@ def check(cfg) -> list[str]:
 _FLAT_BUFFERS_ERROR = ("run.parallel_clients: model.name = {} has BatchNorm, whose running statistics with "
                        "model.flat_buffers=false depend on the rank's previous client; set "
                        "model.flat_buffers=true or run.parallel_clients=1")
-
-
-def try_side_by_side(cfg, model, data) -> None:
-    """--check's trial of the run's side-by-side step (``BatchedTrainer.try_step``) on the first
-    client with samples of ``data`` (a built FederatedData), as the run makes it before round 1."""
-    local, server = resolve(cfg.algorithm)
-    needs = strategies.ALWAYS | strategies.get(server).needs_for(cfg.algorithm)
-    trainer = BatchedTrainer(model, FlatLayout(model, buffers=cfg.model.flat_buffers), cfg, rules.get(local),
-                             needs, tasks.get(data.task))
-    trainer.try_first_client(data.train, data.num_samples, range(cfg.data.num_clients))
 
 
 class _Represent(nn.Module):
@@ -246,18 +235,18 @@ def _one_for_all(values: list) -> bool:
     first = where(values[0])
     return all(where(v) == first for v in values[1:])
 
-def _check_buffers(model: nn.Module, layout: FlatLayout, cfg) -> None:
+def _check_buffers(model: nn.Module, layout: FlatLayout, model_name: str) -> None:
     """BatchNorm statistics are batched when they travel in the flat vector; anything else is a
     config error naming the fix."""
     bn_buffers = {f"{name}.{key}" for name, m in model.named_modules()
                   if isinstance(m, nn.modules.batchnorm._BatchNorm) for key, _ in m.named_buffers(recurse=False)}
     others = [name for name, _ in model.named_buffers() if name not in bn_buffers]
     if others:
-        raise ConfigError(f"run.parallel_clients: model.name = {cfg.model.name} has buffers that are not "
+        raise ConfigError(f"run.parallel_clients: model.name = {model_name} has buffers that are not "
                           f"BatchNorm statistics ({', '.join(others[:3])}), which are not batched; set "
                           "run.parallel_clients=1")
     if bn_buffers and not any(not e.is_param for e in layout.entries):
-        raise ConfigError(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
+        raise ConfigError(_FLAT_BUFFERS_ERROR.format(model_name))
 
 
 
@@ -318,9 +307,10 @@ class _GroupBatches:
 class BatchedTrainer:
     """Trains groups of clients side by side; one per run (it holds the model's functional form)."""
 
-    def __init__(self, model, layout: FlatLayout, cfg, rule, needs: frozenset, task):
-        self.model, self.layout, self.cfg, self.rule, self.needs, self.task = model, layout, cfg, rule, needs, task
-        _check_buffers(model, layout, cfg)
+    def __init__(self, model, layout: FlatLayout, training: LocalTraining, rule, needs: frozenset, task):
+        self.model, self.layout, self.training, self.rule, self.needs, self.task = \
+            model, layout, training, rule, needs, task
+        _check_buffers(model, layout, training.model_name)
         self.param_entries = [e for e in layout.entries if e.is_param]
         self.buffer_entries = [e for e in layout.entries if not e.is_param]
         self.names = [e.name for e in self.param_entries] + [e.name for e in self.buffer_entries]
@@ -341,7 +331,7 @@ class BatchedTrainer:
         # and for the group being trained: what every client shares, its frozen models, hp
         self.step_keys = rules.step_keys(rule)
         self.forms: dict[str, str] = {}
-        self.shared, self.frozen_count, self.hp = {}, 0, cfg.algorithm
+        self.shared, self.frozen_count, self.hp = {}, 0, training.hp
 
         def data_loss(params_T, buffers_T, x, y, mask, count, drops):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, {}, [])
@@ -358,7 +348,8 @@ class BatchedTrainer:
         self._data = vmap(grad_and_value(data_loss, has_aux=True))
         self._rule_grads = vmap(grad_and_value(rule_loss, has_aux=True))
         # run.compile: the rule's gradients compiled once, on first use (``_gradients``)
-        self.compiled = Compiled(self._rule_grads, cfg) if getattr(cfg.run, "compile", False) else None
+        self.compiled = Compiled(self._rule_grads, training.clients, training.train.batch_size) \
+            if training.compile else None
 
     def _forward(self, net, params_T, buffers_T, x, mask, count, drops, prefix: str = "", training: bool = True):
         """``net`` at the given parameters and buffers, in training or eval mode; BatchNorm over
@@ -421,19 +412,19 @@ class BatchedTrainer:
                        "layers can: their masks are drawn outside vmap)")
             else:
                 why = f"does not run under torch.func.vmap ({str(exc).splitlines()[0]})"
-            raise ConfigError(f"run.parallel_clients: model.name = {self.cfg.model.name}: {where} {why}; set "
+            raise ConfigError(f"run.parallel_clients: model.name = {self.training.model_name}: {where} {why}; set "
                               "run.parallel_clients=1") from None
         finally:
             for hook in hooks:
                 hook.remove()
 
-    def warm_up(self, data, rows: int) -> None:
-        """One gradient call of a full group's shape, ``rows`` copies of a full batch of ``data``
+    def warm_up(self, data) -> None:
+        """One gradient call of a full group's shape, B copies of a full batch of ``data``
         (a client's) at the model's parameters, the result discarded: run.compile's graph
         compiles, and the device's libraries set up, before round 1 instead of in it. A rule
         whose step reads its own entries (FedProx's anchor, SCAFFOLD's correction) warms with
         the task's loss alone; its compiled graph is then built in round 1."""
-        tc, device = self.cfg.train, data.x.device
+        tc, device, rows = self.training.train, data.x.device, self.training.clients
         width = tc.batch_size if tc.batch_size > 0 else len(data)
         index = torch.arange(width, device=device) % len(data)
         # contiguous, as a step's batches are: the compiled graph is specialised on strides too
@@ -480,7 +471,7 @@ class BatchedTrainer:
                 continue
             if len(calls) != 2 or calls[0][1][:1] != (1,) or calls[1][1] != (2,) + calls[0][1][1:]:
                 raise ConfigError(
-                    f"run.parallel_clients: model.name = {self.cfg.model.name}: its dropout layer "
+                    f"run.parallel_clients: model.name = {self.training.model_name}: its dropout layer "
                     f"{names[layer]} sees inputs {', '.join(str(list(shape)) for _, shape in calls)} for batches "
                     "of 1 and 2 samples; side by side its masks are drawn per sample along the first "
                     "dimension, which must be the batch's, one shape per layer; set run.parallel_clients=1")
@@ -635,7 +626,7 @@ class BatchedTrainer:
         """The rule's hooks per client, as train_client calls them (the model holds global_P, in
         training mode: SCAFFOLD option I's start gradient normalises with batch statistics), then
         the group's stacks (``_start_stacks``)."""
-        rule, layout, tc = self.rule, self.layout, self.cfg.train
+        rule, layout, tc = self.rule, self.layout, self.training.train
         layout.unflatten_into(global_P, self.model)
         self.model.train()
         if self.dropouts and self.drop_shapes is None:
@@ -650,17 +641,17 @@ class BatchedTrainer:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
         client's report views as in ``train_client``) side by side and write their reports."""
         t_start = time.perf_counter()
-        cfg, tc, rule, needs = self.cfg, self.cfg.train, self.rule, self.needs
+        training, tc, rule, needs = self.training, self.training.train, self.rule, self.needs
         ctx0 = group[0][0]
         device, global_P, B = ctx0.global_P.device, ctx0.global_P, len(group)
-        schedules = [Schedule(data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
+        schedules = [Schedule(data, tc, training.augment, ctx.round_idx, seed, work, device)
                      for ctx, data, seed, work, out in group]
         steps_B = [s.steps for s in schedules]
         # without augmentation every step's batches are one gather from the group's samples, by
         # an index built once for the group (augmentation draws per client and step)
         # (named for the profiler: bench/step_ops.py counts its host-side work apart from the steps')
         with torch.profiler.record_function("fedddp::group_batches"):
-            indexed = None if cfg.data.augment else _GroupBatches(group, schedules, device)
+            indexed = None if training.augment else _GroupBatches(group, schedules, device)
 
         stacks, shared = self._begin(group, global_P, B, device)
         with torch.profiler.record_function("fedddp::group_batches"):

@@ -41,13 +41,15 @@ class Compiled:
     ``seconds`` (one line says it); a model torch.compile cannot take runs eagerly from then on,
     said in one line (``note``), never a traceback."""
 
-    def __init__(self, fn, cfg):
+    def __init__(self, fn, rows: int, batch_size: int):
+        """``rows``: B, the clients every call is padded to; ``batch_size``: train.batch_size,
+        the samples (0: a client's whole data, whose widths differ: then no padding of them)."""
         # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not
         # in inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another
         # node with the same home folder loads them instead of compiling again
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels_cache_dir(), "inductor"))
-        self.fn, self.rows, self.width = torch.compile(fn, dynamic=False), int(cfg.run.parallel_clients), \
-            cfg.train.batch_size if cfg.train.batch_size > 0 else None
+        self.fn, self.rows = torch.compile(fn, dynamic=False), int(rows)
+        self.width = batch_size if batch_size > 0 else None
         self.seconds, self.note, self.failed = None, "", False
 
     def __call__(self, params_T, buffers_T, x, y, mask, count, drops, inputs):
