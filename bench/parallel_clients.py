@@ -101,7 +101,8 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
         def once(clients_now):
             for k, d in enumerate(clients_now):
                 layout.unflatten_into(global_P, model)
-                train_client(model, context(k), d, LocalTraining.of(cfg), rule, needs, 1000 + k, {"params_P": rows_KP[k]})
+                train_client(model, context(k), d, LocalTraining.of(cfg), rule, needs, 1000 + k,
+                             {"params_P": rows_KP[k]})
 
     once(clients[:min(2, count)])  # warm-up: first allocations, kernel choice
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

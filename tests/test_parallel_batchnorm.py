@@ -33,11 +33,12 @@ def test_batch_norm_without_flat_buffers_or_other_buffers_are_refused_when_built
     cfg = checks.load(None, ["run.parallel_clients=4"])
     batched.BatchedTrainer(net, FlatLayout(net), LocalTraining.of(cfg), rules.get("plain"), frozenset(), CLASSIFICATION)
     with pytest.raises(ConfigError, match="model.flat_buffers=true or run.parallel_clients=1"):
-        batched.BatchedTrainer(net, FlatLayout(net, buffers=False), LocalTraining.of(cfg), rules.get("plain"), frozenset(),
-                               CLASSIFICATION)
+        batched.BatchedTrainer(net, FlatLayout(net, buffers=False), LocalTraining.of(cfg), rules.get("plain"),
+                               frozenset(), CLASSIFICATION)
     net.features.register_buffer("scale", torch.ones(1))
     with pytest.raises(ConfigError, match=r"not BatchNorm statistics \(features.scale\).*run.parallel_clients=1"):
-        batched.BatchedTrainer(net, FlatLayout(net), LocalTraining.of(cfg), rules.get("plain"), frozenset(), CLASSIFICATION)
+        batched.BatchedTrainer(net, FlatLayout(net), LocalTraining.of(cfg), rules.get("plain"), frozenset(),
+                               CLASSIFICATION)
 
 
 BN_CASES = [["algorithm.name=fedavg"], ["train.momentum=0.9", "train.weight_decay=0.01"],
@@ -85,11 +86,11 @@ def test_batch_norm_steps_split_by_width_on_cpu_compute_no_padding(tmp_path, mon
     off, the same run does pad (so the first check can fail)."""
     by_width, masks = batched.BatchedTrainer._by_width, []
 
-    def recording(self, fn, args):
+    def recording(self, fn, args, shape):
         def call(*args):  # each vmapped call's masks [L, S]: its clients' samples and padding
             masks.append(args[4])
             return fn(*args)
-        return by_width(self, call, args)
+        return by_width(self, call, args, shape)
 
     monkeypatch.setattr(batched.BatchedTrainer, "_by_width", recording)
     split_P = final_P(tmp_path / "split", 4, BN_CNN + ["algorithm.name=fedsam"])

@@ -186,12 +186,14 @@ def test_augmented_batches_are_the_sequential_paths():
         ctx, data, seed, work, out = job(cid, data)
         train_client(model, ctx, data, LocalTraining.of(cfg), Recorded(), frozenset(), seed, out, work)
     fed = []
-    trainer = batched.BatchedTrainer(model, layout, LocalTraining.of(cfg), rules.get("plain"), frozenset(), CLASSIFICATION)
+    trainer = batched.BatchedTrainer(model, layout, LocalTraining.of(cfg), rules.get("plain"), frozenset(),
+                                     CLASSIFICATION)
     gradients = trainer._gradients
 
-    def recorded(stacks, x, y, mask, count, *rest):
+    def recorded(stacks, batch, shape):
+        x, y, mask, count, drops = batch
         fed.append([x[j, :int(n)].clone() for j, n in enumerate(count.tolist())])
-        return gradients(stacks, x, y, mask, count, *rest)
+        return gradients(stacks, batch, shape)
 
     trainer._gradients = recorded
     trainer.train_group([job(cid, data) for cid, data in enumerate(clients)])
@@ -482,7 +484,8 @@ def _measure_adam_zero_gradient(seeds: int = 20, lr: float = 1e-3) -> None:
             return reports
 
         group = [job(cid, global_P) for cid in range(3)]
-        batched.BatchedTrainer(model, layout, LocalTraining.of(cfg), rule, frozenset(), CLASSIFICATION).train_group(group)
+        trainer = batched.BatchedTrainer(model, layout, LocalTraining.of(cfg), rule, frozenset(), CLASSIFICATION)
+        trainer.train_group(group)
         for (*_, out), seq_P, moved in zip(group, sequential(global_P), sequential(moved_P)):
             diff_P = (out["params_P"] - seq_P).abs() / lr
             in_bias = torch.zeros_like(diff_P, dtype=torch.bool)

@@ -5,9 +5,9 @@ Legend: B clients of a group, S padded samples of a step (the group's largest ba
 elements, T parameter tensors.
 
 Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` over the stacked
-parameters (through torch.compile under run.compile: ``Compiled``, client/compiled.py), then the rule's direction and
-the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_client``'s semantics client by client (that path,
-``B = 1``, stays the reference):
+parameters (through torch.compile under run.compile: ``Compiled``, client/compiled.py), then
+the rule's direction and the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps
+``train_client``'s semantics client by client (that path, ``B = 1``, stays the reference):
 
 - batches: each client's ``Schedule``, the one ``train_client`` draws from (its own generator
   seeded by (seed, round, client id), ``randperm`` per epoch, then augmentation), so a client's
@@ -34,8 +34,10 @@ the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_clie
 - dropout: vmap refuses random operations, so each client's masks are drawn outside it from
   (its seed, step, layer) as ``models.dropout.SeededDropout`` draws them in the sequential path
   (a counter-based hash: every client's and step's masks of a group in one draw a layer, padded
-  with zeros), and the masked twin's ``MaskedDropout`` layers (client/masked.py) multiply by them; any other random operation is a config error naming the module, found before round 1 by
-  ``try_step`` (which the run and ``--check`` call).
+  with zeros), and the masked twin's ``MaskedDropout`` layers (client/masked.py) multiply by
+  them; any other random operation is a config error naming the module, found before round 1
+  by ``try_step`` (the side-by-side trainer's ``check_first``, which the run and ``--check``
+  call).
 
 BatchNorm: each client has its own running statistics (running_mean, running_var,
 num_batches_tracked), stacked on the client dimension like the parameters and starting from the
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -174,23 +177,55 @@ class _NetAt:
         return (losses if self._trainer.batch.full else losses * self._mask).sum() / self._count
 
 
+@dataclass
+class _Group:
+    """What every step of a group reads besides its stacks: the form of each of the rule's
+    scratch entries ("list" of tensors, or "one" tensor or number), the entries and frozen models
+    every client shares (one for all, without the client dimension: FedProx's anchor, MOON's
+    global model), the number of frozen models a client has (MOON: the global and the previous
+    one), and the rule's hyperparameters (the clients' ctx.hp)."""
+
+    forms: dict
+    shared: dict
+    frozen_count: int
+    hp: object
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How a step's gradient call is cut: ``parts``, its clients (rows) by batch width when the
+    step is split by width (``BatchedTrainer._width_parts``; None: one call, padded), and
+    ``full``, whether every client's batch has one width (no padding: BatchNorm then runs
+    torch's own kernel)."""
+
+    parts: list | None
+    full: bool
+
+
+def _entry(name: str, stacks: dict, group: _Group):
+    """The rule's scratch entry ``name`` for the direction: stacked [L, ...], or one for all."""
+    key = ("scratch", name)
+    leaves = stacks[key] if key in stacks else group.shared[key]
+    return list(leaves) if group.forms[name] == "list" else leaves[0]
+
+
 class _Step:
     """One step of the clients still stepping as ``LocalRule.direction`` reads it: w, g and the
     rule's scratch entries stacked [L, ...] (one for all: without the client dimension), hp
     (``rules.OneClient`` is the one-after-another form)."""
 
-    def __init__(self, trainer, stacks: dict, shared: dict, grads_T, batch: tuple, hp):
-        self.params, self.grads, self.hp = stacks["params"], grads_T, hp
-        self.scratch = {name: trainer._entry(name, stacks, shared) for name in trainer.step_keys}
+    def __init__(self, trainer, stacks: dict, group: _Group, grads_T, batch: tuple, shape: _Shape):
+        self.params, self.grads, self.hp = stacks["params"], grads_T, group.hp
+        self.scratch = {name: _entry(name, stacks, group) for name in trainer.step_keys}
         self._given = dict(self.scratch)
-        self._trainer, self._stacks, self._batch = trainer, stacks, batch
+        self._trainer, self._stacks, self._batch, self._shape = trainer, stacks, batch, shape
 
     def grads_at(self, shift_T) -> list[torch.Tensor]:
         """Each client's gradient of the task's loss at w + shift (the step's batch and dropout
         masks; its BatchNorm statistics discarded)."""
         shifted_T = [p + e for p, e in zip(self.params, shift_T)]
         t = self._trainer
-        return t._by_width(t._data, (shifted_T, self._stacks["buffers"]) + self._batch)[0]
+        return t._by_width(t._data, (shifted_T, self._stacks["buffers"]) + self._batch, self._shape)[0]
 
     @staticmethod
     def norm(tensors) -> torch.Tensor:
@@ -322,16 +357,14 @@ class BatchedTrainer:
         # dropout layers, and each one's input shape per sample (``_dropout_shapes``)
         self.dropouts, self.drop_shapes = dropout.layers(model), None
         self.batch, self.stat_names = Batch(), []
-        # the step's clients by batch width when it is split (``_width_parts``), and whether its
-        # batches are all of one width (no padding: BatchNorm then runs torch's own kernel)
-        self.parts, self.full = None, False
         self.net = masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
         self.represent = _Represent(self.net)  # (representation, output), for rules that read z (MOON)
-        # the rule's scratch entries (their forms: "list" of tensors, or "one" tensor or number),
-        # and for the group being trained: what every client shares, its frozen models, hp
+        # the rule's scratch entries; the group being trained (``_Group``), which the functions
+        # below read: they are transformed once (vmap, torch.compile), so the group cannot be
+        # their argument. Set once a group, before its first step; outside a group (the
+        # warm-up, try_step) none of the rule's entries and the configured hp.
         self.step_keys = rules.step_keys(rule)
-        self.forms: dict[str, str] = {}
-        self.shared, self.frozen_count, self.hp = {}, 0, training.hp
+        self.group = _Group({}, {}, 0, training.hp)
 
         def data_loss(params_T, buffers_T, x, y, mask, count, drops):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, {}, [])
@@ -339,7 +372,7 @@ class BatchedTrainer:
 
         def rule_loss(params_T, buffers_T, x, y, mask, count, drops, inputs):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, self._scratch(inputs), self._frozen(inputs))
-            objective, loss = rule.loss(net, x, y, self.hp)
+            objective, loss = rule.loss(net, x, y, self.group.hp)
             return objective, (loss, net.stats)
 
         # per client: (gradients of the loss, (the loss, aux)) at its own parameters, batch, dropout
@@ -437,12 +470,12 @@ class BatchedTrainer:
                   "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
         mask = torch.ones(rows, width, device=device)
         drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
-        self.parts, self.full, self.shared, self.frozen_count = None, True, {}, 0
+        self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
         with precision.local(tc.precision, device):
             if self.step_keys:
-                self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops))
+                self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops), shape)
             else:
-                self._gradients(stacks, x, y, mask, mask.sum(1), drops)
+                self._gradients(stacks, (x, y, mask, mask.sum(1), drops), shape)
 
     def _dropout_shapes(self, x) -> dict[int, tuple]:
         """Each dropout layer's input shape per sample, by index, from eval forwards of one and
@@ -480,42 +513,37 @@ class BatchedTrainer:
 
 
 
-    def _entry(self, name: str, stacks: dict, shared: dict):
-        """The rule's scratch entry ``name`` for the direction: stacked [L, ...], or one for all."""
-        key = ("scratch", name)
-        leaves = stacks[key] if key in stacks else shared[key]
-        return list(leaves) if self.forms[name] == "list" else leaves[0]
-
     def _scratch(self, inputs: dict) -> dict:
         """The rule's scratch entries under vmap: one client's rows of ``inputs``, or one for all."""
         out = {}
         for name in self.step_keys:
             key = ("scratch", name)
-            leaves = inputs[key] if key in inputs else self.shared[key]
-            out[name] = list(leaves) if self.forms[name] == "list" else leaves[0]
+            leaves = inputs[key] if key in inputs else self.group.shared[key]
+            out[name] = list(leaves) if self.group.forms[name] == "list" else leaves[0]
         return out
 
     def _frozen(self, inputs: dict) -> list[tuple[list, list]]:
         """The frozen models (parameters, buffers) under vmap: one client's, or one for all."""
         n, models = len(self.param_entries), []
-        for i in range(self.frozen_count):
+        for i in range(self.group.frozen_count):
             key = ("frozen", i)
-            tensors = inputs[key] if key in inputs else self.shared[key]
+            tensors = inputs[key] if key in inputs else self.group.shared[key]
             models.append((tensors[:n], tensors[n:]))
         return models
 
-    def _gradients(self, stacks: dict, x, y, mask, count, drops):
+    def _gradients(self, stacks: dict, batch: tuple, shape: _Shape):
         """Per client: the gradients of the rule's objective at its parameters (and its running
-        statistics ``stacks["buffers"]``) on its batch with its dropout masks ``drops``, its data
-        loss (MOON's without the contrastive term), and its BatchNorm batch statistics (mean,
-        unbiased variance per layer in ``self.stat_names``' order, [L, C] each)."""
+        statistics ``stacks["buffers"]``) on its batch with its dropout masks (``batch``: x, y,
+        mask, count, drops), its data loss (MOON's without the contrastive term), and its
+        BatchNorm batch statistics (mean, unbiased variance per layer in ``self.stat_names``'
+        order, [L, C] each)."""
         inputs = {key: value for key, value in stacks.items() if isinstance(key, tuple)}
-        args = (stacks["params"], stacks["buffers"], x, y, mask, count, drops, inputs)
+        args = (stacks["params"], stacks["buffers"]) + batch + (inputs,)
         out = None
         if self.compiled is not None:
             self.batch.full = False  # every call padded to the same shapes
             out = self.compiled(*args)
-        grads_T, (_, (loss_L, stats)) = out if out is not None else self._by_width(self._rule_grads, args)
+        grads_T, (_, (loss_L, stats)) = out if out is not None else self._by_width(self._rule_grads, args, shape)
         return grads_T, loss_L, stats
 
     def _width_parts(self, sizes: list[int], device) -> list[tuple[list[int], int]] | None:
@@ -530,17 +558,17 @@ class BatchedTrainer:
             parts.setdefault(size, []).append(row)
         return [(rows, width) for width, rows in parts.items()]
 
-    def _by_width(self, fn, args: tuple):
+    def _by_width(self, fn, args: tuple, shape: _Shape):
         """``fn(params_T, buffers_T, x, y, mask, count, drops, *rest)`` over the step's clients
         (every argument [L, ...], per client): one call, or with the step split by width
-        (``self.parts``) one call per width on its clients' rows cut to that width, no padding
+        (``shape.parts``) one call per width on its clients' rows cut to that width, no padding
         computed, the results put back in row order. Each client's result is the same computation
         on the same samples either way (to float32 rounding: the kernels see other shapes)."""
-        self.batch.full = self.full or self.parts is not None
-        if self.parts is None:
+        self.batch.full = shape.full or shape.parts is not None
+        if shape.parts is None:
             return fn(*args)
         outs, order = [], []
-        for rows, width in self.parts:
+        for rows, width in shape.parts:
             index = torch.tensor(rows, dtype=torch.long, device=args[2].device)
             take = lambda t: t.index_select(0, index)  # noqa: E731
             params_T, buffers_T, x, y, mask, count, drops, *rest = tree_map(take, args)
@@ -585,18 +613,19 @@ class BatchedTrainer:
         return new_T
 
 
-    def _start_stacks(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, dict]:
-        """The group's per-client tensors as stacks ([B, ...]) and the ones every client shares,
-        after the rule's begin hooks: parameters and buffers from global_P, the rule's scratch
-        entries (FedProx's anchor, SCAFFOLD's correction, FedSMOO's duals, MOON's has_prev) and the
-        models of ctx.scratch["frozen_P"] (MOON's global and previous models)."""
+    def _start_stacks(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, _Group]:
+        """The group's per-client tensors as stacks ([B, ...]) and its ``_Group`` (with the
+        tensors every client shares), after the rule's begin hooks: parameters and buffers from
+        global_P, the rule's scratch entries (FedProx's anchor, SCAFFOLD's correction, FedSMOO's
+        duals, MOON's has_prev) and the models of ctx.scratch["frozen_P"] (MOON's global and
+        previous models)."""
         # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
         # the order of ``live``); one every client shares (FedProx's anchor: the global model)
         # stays in ``shared`` and broadcasts. The rule's entries are keyed ("scratch", name).
-        stacks, shared = {}, {}
+        stacks, shared, forms = {}, {}, {}
         for name in self.step_keys:
             values = [ctx.scratch[name] for ctx, *_ in group]
-            self.forms[name] = "list" if isinstance(values[0], (list, tuple)) else "one"
+            forms[name] = "list" if isinstance(values[0], (list, tuple)) else "one"
             if _one_for_all(values):
                 shared[("scratch", name)] = _as_leaves(values[0])
             elif isinstance(values[0], (int, float)):
@@ -610,9 +639,9 @@ class BatchedTrainer:
         # frozen models, one list per client (MOON: the global model, then the previous one if
         # the client has it); a shorter list is padded with its first model
         frozen_B = [ctx.scratch.get("frozen_P", []) for ctx, *_ in group]
-        self.frozen_count = max(len(f) for f in frozen_B)
+        frozen_count = max(len(f) for f in frozen_B)
         entries = self.param_entries + self.buffer_entries
-        for i in range(self.frozen_count):
+        for i in range(frozen_count):
             flats_B = [f[i] if i < len(f) else f[0] for f in frozen_B]
             if all(f is flats_B[0] for f in flats_B):
                 shared[("frozen", i)] = [flats_B[0][e.offset:e.offset + e.numel].view(e.shape) for e in entries]
@@ -620,9 +649,9 @@ class BatchedTrainer:
                 flat_BP = torch.stack([f.to(device) for f in flats_B])
                 stacks[("frozen", i)] = [flat_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
                                          for e in entries]
-        return stacks, shared
+        return stacks, _Group(forms, shared, frozen_count, group[0][0].hp)
 
-    def _begin(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, dict]:
+    def _begin(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, _Group]:
         """The rule's hooks per client, as train_client calls them (the model holds global_P, in
         training mode: SCAFFOLD option I's start gradient normalises with batch statistics), then
         the group's stacks (``_start_stacks``)."""
@@ -653,11 +682,10 @@ class BatchedTrainer:
         with torch.profiler.record_function("fedddp::group_batches"):
             indexed = None if training.augment else _GroupBatches(group, schedules, device)
 
-        stacks, shared = self._begin(group, global_P, B, device)
+        stacks, self.group = self._begin(group, global_P, B, device)
         with torch.profiler.record_function("fedddp::group_batches"):
             group_drops = self._group_dropout_masks(indexed, schedules, device) \
                 if indexed is not None and self.dropouts else None
-        self.shared, self.hp = shared, ctx0.hp
         optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
         # each client's loss summed over its steps in float64 (train_client's sum), a row of the
         # stacks so it leaves with the client: one add a step
@@ -680,15 +708,15 @@ class BatchedTrainer:
             else:
                 drops = self._dropout_masks([(s.seed, step) for s in live_schedules], sizes, x.shape[1], device)
             lr_L = [s.lr(step) for s in live_schedules]
-            self.parts, self.full = self._width_parts(sizes, device), len(set(sizes)) == 1
+            shape = _Shape(self._width_parts(sizes, device), len(set(sizes)) == 1)
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
             with local:  # train.precision, as train_client's steps
-                grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
-                step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
+                grads_T, loss_L, stats = self._gradients(stacks, (x, y, mask, count, drops), shape)
+                step_view = _Step(self, stacks, self.group, grads_T, (x, y, mask, count, drops), shape)
                 direction_T = list(rule.direction(step_view))
             stacks["loss_sum"][0].add_(loss_L.detach())  # in float64, as .double() then add
-            replaced |= step_view.keep(stacks, shared)
+            replaced |= step_view.keep(stacks, self.group.shared)
             if stats:  # the step's one update of the running statistics (extra passes leave them)
                 stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)
             done = [j for j, b in enumerate(live) if steps_B[b] == step + 1]
@@ -700,7 +728,7 @@ class BatchedTrainer:
                 rows = torch.tensor(done, device=device)
                 loss_sum_B.index_copy_(0, torch.tensor([live[j] for j in done], device=device),
                                        stacks["loss_sum"][0].index_select(0, rows))
-                stacks, live = self._leave(group, stacks, live, done, replaced)
+                stacks, live = self._leave(group, stacks, live, done, replaced, self.group.forms)
 
         # -- the rest of each report, as train_client writes it --------------------------------
         seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
@@ -715,17 +743,18 @@ class BatchedTrainer:
             finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), loss_sums[b], out)
             out["train_time"] = seconds
 
-    def _leave(self, group, stacks: dict, live: list[int], done: list[int], replaced: set[str]):
+    def _leave(self, group, stacks: dict, live: list[int], done: list[int], replaced: set[str], forms: dict):
         """The clients ``done`` (rows of the stacks) that have taken their steps leave the stacks
         with their parameters and state as they are (never stepped again, not even with a zero
         gradient): parameters into their report rows, the scratch entries the direction replaced
-        back into their ctx.scratch. Returns the remaining stacks and live clients."""
+        back into their ctx.scratch (in their ``forms``). Returns the remaining stacks and live
+        clients."""
         for j, params_P in zip(done, self._flat_BP(stacks["params"], done, stacks["buffers"])):
             ctx, *_, out = group[live[j]]
             out["params_P"].copy_(params_P)
             for name in replaced:  # FedSMOO's dual, which its end hook reads
                 leaves = [t[j].clone() for t in stacks[("scratch", name)]]
-                ctx.scratch[name] = leaves if self.forms[name] == "list" else leaves[0]
+                ctx.scratch[name] = leaves if forms[name] == "list" else leaves[0]
         keep = [j for j in range(len(live)) if j not in done]
         index = torch.tensor(keep, dtype=torch.long, device=stacks["params"][0].device)
         stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}
