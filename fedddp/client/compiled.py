@@ -43,7 +43,7 @@ class Compiled:
 
     def __init__(self, fn, rows: int, batch_size: int):
         """``rows``: B, the clients every call is padded to; ``batch_size``: train.batch_size,
-        the samples (0: a client's whole data, whose widths differ: then no padding of them)."""
+        the samples every call is padded to (0: full-batch steps, padded to the step's widest)."""
         # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not
         # in inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another
         # node with the same home folder loads them instead of compiling again
