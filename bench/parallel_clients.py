@@ -6,7 +6,7 @@ in turn, and ``BatchedTrainer.train_group`` for all K at once; plain SGD (--opti
 train.optimizer's choices, default hyper-parameters), batch 32, every client --steps full
 batches over --epochs local epochs (RMSGD's epoch_step runs between them). Seed 002's CNN on
 1x28x28 images, seed 004's FFNN on 14 features, and ResNet-18 (CIFAR stem, 3x32x32; side by side
-its BatchNorm layers are the masked ones of fedddp.client.batched, each client's running
+its BatchNorm layers are the masked ones of fedddp.client.masked, each client's running
 statistics stacked). On CUDA when present
 (--device), else on CPU with one thread. The sequential rate does not depend on K; it is
 measured over min(K, --seq-clients) clients. Each measurement runs in a fresh process after
@@ -55,7 +55,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
 
     sys.path.insert(0, REPO)
     from fedddp import checks, tasks
-    from fedddp.client import ClientContext, train_client
+    from fedddp.client import ClientContext, LocalTraining, train_client
     from fedddp.client import rules
     from fedddp.client.batched import BatchedTrainer
     from fedddp.data import ClientData
@@ -92,7 +92,7 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
         return ClientContext(k, 1, global_P, layout, cfg.algorithm, {}, {}, task=task)
 
     if mode == "batched":
-        trainer = BatchedTrainer(model, layout, cfg, rule, needs, task)
+        trainer = BatchedTrainer(model, layout, LocalTraining.of(cfg), rule, needs, task)
 
         def once(clients_now):
             trainer.train_group([(context(k), d, 1000 + k, 0, {"params_P": rows_KP[k]})
@@ -101,7 +101,8 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
         def once(clients_now):
             for k, d in enumerate(clients_now):
                 layout.unflatten_into(global_P, model)
-                train_client(model, context(k), d, cfg, rule, needs, 1000 + k, {"params_P": rows_KP[k]})
+                train_client(model, context(k), d, LocalTraining.of(cfg), rule, needs, 1000 + k,
+                             {"params_P": rows_KP[k]})
 
     once(clients[:min(2, count)])  # warm-up: first allocations, kernel choice
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -131,7 +132,7 @@ def batch_norm_forms(num_clients: int, steps: int, device_name: str) -> None:
 
     sys.path.insert(0, REPO)
     from fedddp import models
-    from fedddp.client import batched
+    from fedddp.client import masked as masked_layers
 
     torch.set_num_threads(1)
     device = torch.device(device_name)
@@ -142,8 +143,8 @@ def batch_norm_forms(num_clients: int, steps: int, device_name: str) -> None:
     mask, count = torch.ones(num_clients, BATCH, device=device), torch.full((num_clients,), float(BATCH), device=device)
     params = {n: p.detach().expand((num_clients,) + p.shape).clone() for n, p in model.named_parameters()}
     buffers = {n: b.expand((num_clients,) + b.shape).clone() for n, b in model.named_buffers()}
-    batch = batched._Batch()
-    twin = batched._masked_twin(model, batch).train()
+    batch = masked_layers.Batch()
+    twin = masked_layers.masked_twin(model, batch).train()
 
     def masked(p, b, x, y, mask, count):
         batch.mask, batch.count, batch.names, batch.stats = mask, count, [], []

@@ -135,7 +135,7 @@ def ops_per_step(cfg, clients: list, device: torch.device) -> tuple[dict, dict, 
     from torch.profiler import ProfilerActivity, profile
 
     from fedddp import strategies
-    from fedddp.client import ClientContext, rules, train_client
+    from fedddp.client import ClientContext, LocalTraining, rules, train_client
     from fedddp.data import ClientData
     from fedddp.flat import FlatLayout
     from fedddp.report import ReportLayout
@@ -153,7 +153,7 @@ def ops_per_step(cfg, clients: list, device: torch.device) -> tuple[dict, dict, 
     def fedddp_client():
         layout.unflatten_into(global_P, model)
         out = report.views(row_F)
-        train_client(model, ClientContext(0, 1, global_P, layout, cfg.algorithm), ClientData(x, y), cfg,
+        train_client(model, ClientContext(0, 1, global_P, layout, cfg.algorithm), ClientData(x, y), LocalTraining.of(cfg),
                      rules.get("plain"), needs, 1, out)
         out["train_time"] = 0.0
         report.pack_scalars(row_F, out)

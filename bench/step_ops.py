@@ -108,7 +108,7 @@ def fedddp_step(case: str, clients: int, device, steps: int):
     import torch
 
     from fedddp import checks, strategies, tasks
-    from fedddp.client import ClientContext, rules
+    from fedddp.client import ClientContext, LocalTraining, rules
     from fedddp.client.batched import BatchedTrainer
     from fedddp.data import ClientData
     from fedddp.flat import FlatLayout
@@ -122,7 +122,7 @@ def fedddp_step(case: str, clients: int, device, steps: int):
     rule = rules.get(local)
     needs = strategies.ALWAYS | strategies.get(server).needs_for(cfg.algorithm)
     task = tasks.get("classification")
-    trainer = BatchedTrainer(model, layout, cfg, rule, needs, task)
+    trainer = BatchedTrainer(model, layout, LocalTraining.of(cfg), rule, needs, task)
     gen = torch.Generator().manual_seed(1)
     data = [ClientData(torch.randn(SAMPLES, 1, 28, 28, generator=gen).to(device),
                        torch.randint(0, 10, (SAMPLES,), generator=gen).to(device)) for _ in range(clients)]

@@ -16,11 +16,11 @@ from typing import Any, Mapping
 
 import torch
 
-from . import checks, config as config_module, env
+from . import checks, config as config_module, env, tasks
 from .algorithms import build_model
 from .data import build
 from .outdir import check_out_dir
-from .prepare import refuse_before_round_one
+from .prepare import refuse_before_round_one, trainer_to_check
 from .resume import refuse_before_data
 from .comm import Comm
 from .round import run as run_rounds
@@ -150,5 +150,6 @@ def check(path, overrides: list[str], data: bool = True) -> config_module.Config
     if data:
         built = build(cfg, cfg.data.seed, range(cfg.data.num_clients))
         model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
-        refuse_before_round_one(cfg, model, built)
+        trainer = trainer_to_check(cfg, model, tasks.get(built.task))
+        refuse_before_round_one(trainer, built, range(cfg.data.num_clients), cfg.data)
     return cfg

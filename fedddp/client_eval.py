@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from .client import ClientContext, train_client
+from .client import ClientContext, LocalTraining, train_client
 from .client.batched import BatchedTrainer
 from .data import ClientData
 from .sampling import assign_clients, assign_groups, batch_size_of, eval_cohort, eval_seed, layout_rows
@@ -61,11 +61,11 @@ def evaluates(rc, round_idx: int) -> bool:
     return rc.client_eval_every > 0 and (not round_idx % rc.client_eval_every or round_idx == rc.rounds)
 
 
-def cohort(cfg, num_held_out: list[int], round_idx: int) -> list[int]:
+def cohort(rc, num_held_out: list[int], round_idx: int) -> list[int]:
     """The round's evaluated clients, sorted: run.client_eval_clients of those with held-out
-    samples, drawn from (run.seed, round); the same on every rank."""
+    samples, drawn from (run.seed, round); the same on every rank (``rc``: the run section)."""
     eligible = [c for c, m in enumerate(num_held_out) if m > 0]
-    return eval_cohort(eligible, cfg.run.client_eval_clients, cfg.run.seed, round_idx)
+    return eval_cohort(eligible, rc.client_eval_clients, rc.seed, round_idx)
 
 
 def keys(task, steps: int) -> list[str]:
@@ -90,18 +90,18 @@ class Result:
 
 
 class Evaluator:
-    """What client evaluation keeps across rounds: the personalization config (train.local_steps
-    = k) and, side by side, its trainer, built on first use."""
+    """What client evaluation keeps across rounds: the personalization's local training (the
+    run's, ``training``, with train.local_steps = k = run.client_eval_steps, uncompiled) and,
+    side by side, its trainer, built on first use."""
 
-    def __init__(self, cfg):
-        k = cfg.run.client_eval_steps
-        self.cfg_k = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, local_steps=k, local_work_min=0),
-                                         run=dataclasses.replace(cfg.run, compile=False))
+    def __init__(self, training: LocalTraining, k: int):
+        self.training_k = dataclasses.replace(
+            training, train=dataclasses.replace(training.train, local_steps=k, local_work_min=0), compile=False)
         self.batched: BatchedTrainer | None = None
 
     def trainer(self, run) -> BatchedTrainer:
         if self.batched is None:
-            self.batched = BatchedTrainer(run.model, run.layout, self.cfg_k, run.rule, frozenset(), run.task)
+            self.batched = BatchedTrainer(run.model, run.layout, self.training_k, run.rule, frozenset(), run.task)
         return self.batched
 
 
@@ -116,7 +116,7 @@ def evaluate_round(run, comm, round_idx: int) -> Result | None:
     if not evaluates(cfg.run, round_idx):
         return Result(dict.fromkeys(keys(run.task, steps)), []) if comm.is_main else None
     t_start = time.perf_counter()
-    clients = cohort(cfg, run.data.num_held_out, round_idx)
+    clients = cohort(cfg.run, run.data.num_held_out, round_idx)
     if not clients:  # no client holds a sample out: every rank knows it, nothing is gathered
         return Result(dict.fromkeys(keys(run.task, steps)) | {"client_eval_clients": 0}, []) if comm.is_main else None
     held, trained = run.data.num_held_out, run.data.num_samples
@@ -172,7 +172,7 @@ def _evaluate_group(run, round_idx: int, group: list[int], rows_F: list[torch.Te
     else:
         ctx, data, seed, work, out = jobs[0]
         layout.unflatten_into(run.global_P, model)
-        train_client(model, ctx, data, run.client_eval.cfg_k, run.rule, frozenset(), seed, out, work)
+        train_client(model, ctx, data, run.client_eval.training_k, run.rule, frozenset(), seed, out, work)
     for b, (row_F, data) in enumerate(zip(rows_F, held)):
         layout.unflatten_into(params_BP[b], model)
         _sums_into(row_F[3:5], _group_outputs(model, [data])[0], data.y, task)

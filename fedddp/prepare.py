@@ -16,9 +16,8 @@ import torch
 
 from . import asynchrony, checkpoint, client_eval, config, strategies, tasks, warmup
 from .algorithms import build_model, sampling_of
-from .client import check_one_sample_batches
+from .client import LocalTraining
 from .client import parallel, precision, rules as local_rules
-from .client.batched import BatchedTrainer, try_side_by_side
 from .client.state import open_store as open_client_states
 from .client.trainers import OneAfterAnother, SideBySide, trainer_of
 from .data import ClientData, LazyClients, build as build_data
@@ -84,9 +83,7 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
     torch.set_default_dtype(torch.float32)
     device = comm.device
-    local_name, server_name = resolve(cfg.algorithm)
-    strategy, rule = strategies.get(server_name), local_rules.get(local_name)
-    needs = strategies.ALWAYS | strategy.needs_for(cfg.algorithm)
+    strategy, rule, needs = rules_of(cfg.algorithm)
     # Each round's clients are balanced over ranks by cost, so any rank may train any client
     # (per-client state travels from its owner rank for the round); only data sets built whole,
     # whose clients exist on their owner alone, train there (docs/architecture.md, "Which rank
@@ -112,8 +109,8 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(rc, parallel_clients=b))
     rc = cfg.run
     clients_note += _precision_words(cfg.train.precision, rc.compile, rc.parallel_clients, device)
-    trainer = trainer_of(rc.parallel_clients, model, layout, cfg, rule, needs, task)
-    speeds = refuse_before_round_one(cfg, model, data, trainer.batched, ids)
+    trainer = trainer_of(model, layout, LocalTraining.of(cfg, rc.parallel_clients), rule, needs, task)
+    speeds = refuse_before_round_one(trainer, data, ids, cfg.data)
     # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap),
     # after the refusals: an mmap store writes its files in run.out_dir
     client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
@@ -129,7 +126,7 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     start_round = _resume(comm, resume_round, checkpoints, owned, client_states, server, schedule) + 1
     run = Run(cfg, data, task, model, layout, strategy, rule, trainer, report, client_states, balanced, cost_K,
               server, schedule, checkpoints, start_round, clients_note,
-              client_eval.Evaluator(cfg) if rc.client_eval_every > 0 else None)
+              client_eval.Evaluator(trainer.training, rc.client_eval_steps) if rc.client_eval_every > 0 else None)
     if comm.is_main and rc.progress and device.type == "cpu" and rc.parallel_clients > 1:
         run = dataclasses.replace(run, clients_note=run.clients_note + "; " + _side_by_side_on_cpu(run, comm))
     run = dataclasses.replace(run, clients_note="; ".join(filter(None, [run.clients_note, warmup.warm_up(run, comm)])))
@@ -195,24 +192,36 @@ def _resume(comm, resume_round: int, checkpoints: Checkpoints, owned: list[int],
     return done
 
 
-def refuse_before_round_one(cfg: config.Config, model, data, batched: BatchedTrainer | None = None,
-                            ids=None) -> list[float]:
+def rules_of(algorithm) -> tuple[strategies.Strategy, local_rules.LocalRule, frozenset]:
+    """The server rule, the local rule and the report fields the server rule reads, of the
+    algorithm section."""
+    local_name, server_name = resolve(algorithm)
+    strategy = strategies.get(server_name)
+    return strategy, local_rules.get(local_name), strategies.ALWAYS | strategy.needs_for(algorithm)
+
+
+def trainer_to_check(cfg: config.Config, model, task: tasks.Task) -> OneAfterAnother | SideBySide:
+    """``python -m fedddp --check``'s trainer, built as the run's setup builds its own
+    (``rules_of``, ``trainer_of``) before the run resolves run.parallel_clients: B as configured,
+    1 for auto (the setup chooses 1 wherever side by side would be refused, client/parallel.py,
+    so auto adds no refusal)."""
+    _, rule, needs = rules_of(cfg.algorithm)
+    clients = 1 if cfg.run.parallel_clients == parallel.AUTO else cfg.run.parallel_clients
+    layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
+    return trainer_of(model, layout, LocalTraining.of(cfg, clients), rule, needs, task)
+
+
+def refuse_before_round_one(trainer: OneAfterAnother | SideBySide, data, ids, dc: config.DataConfig) -> list[float]:
     """The refusals that need the built data and model, made before round 1 by the run's setup
-    and by ``python -m fedddp --check`` (fedddp.__main__.check) alike, so --check exits with the
-    status the run would: a train.batch_size that leaves a client a last batch of one sample for
-    a model with BatchNorm; a model whose side-by-side step cannot run (run.parallel_clients > 1,
-    tried on the first client of ``ids`` with samples by ``batched``, the run's trainer; --check
-    has none and builds one); a data.client_speed file that changed since the config loaded.
-    Returns each client's simulated seconds per local step."""
-    check_one_sample_batches(model, data.input_shape, data.num_samples, cfg.train.batch_size, cfg.model.name)
-    if cfg.run.asked_parallel_clients() > 1:
-        # one step tried on a client's samples: what vmap cannot run is one line now, not round 1's traceback
-        if batched is None:
-            try_side_by_side(cfg, model, data)
-        else:
-            batched.try_first_client(data.train, data.num_samples, ids)
+    and by ``python -m fedddp --check`` (fedddp.api.check) alike, so --check exits with the
+    status the run would: the trainer's own (``check_first``: a train.batch_size that leaves a
+    client a last batch of one sample for a model with BatchNorm; side by side, a step that
+    cannot run, tried on the first client of ``ids`` with samples), then a data.client_speed
+    file that changed since the config loaded (``dc``: the data section). Returns each
+    client's simulated seconds per local step."""
+    trainer.check_first(data, ids)
     try:
-        return asynchrony.client_speeds(cfg.data.client_speed, cfg.data.num_clients, cfg.data.seed)
+        return asynchrony.client_speeds(dc.client_speed, dc.num_clients, dc.seed)
     except ValueError as exc:  # checked when the config loaded; a file changed since
         raise ConfigError(f"data.client_speed: {exc}") from None
 

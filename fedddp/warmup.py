@@ -11,7 +11,8 @@ figure means something.
   the machine finds them built.
 - The side-by-side step (CUDA, or run.compile anywhere): one gradient call of a full group's
   shape, which is when run.compile's graph compiles and the GPU's libraries pick their kernels
-  (``BatchedTrainer.warm_up``); one after another, one forward and backward of a full batch.
+  (the trainer's ``warm_up``, client/trainers.py); one after another, one forward and backward of
+  a full batch.
 
 Nothing the run computes changes: the model, its buffers and torch's random state are as they
 were before (``torch.random.fork_rng``), the server state is a fresh one thrown away. A warm-up
@@ -62,21 +63,8 @@ def _first_client(run):
 
 def _local(run, comm) -> None:
     data = _first_client(run)
-    if data is None:
-        return
-    batched = getattr(run.trainer, "batched", None)
-    if batched is not None:
-        batched.warm_up(data, run.cfg.run.parallel_clients)
-        return
-    model, tc = run.model, run.cfg.train
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    width = min(tc.batch_size if tc.batch_size > 0 else len(data), len(data))
-    try:
-        model.train()
-        run.task.loss(model(data.x[:width]), data.y[:width]).backward()
-    finally:
-        model.load_state_dict(saved)
-        model.zero_grad(set_to_none=True)
+    if data is not None:
+        run.trainer.warm_up(data)
 
 
 def _server(run, comm) -> None:

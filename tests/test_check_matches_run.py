@@ -177,3 +177,20 @@ def test_an_unusable_client_speed(tmp_path):
     assert_check_refuses_as_the_run(tmp_path, [f"run.out_dir={tmp_path / 'out'}", "run.mode=async",
                                                "data.client_speed=lognormal:800"], ConfigError, "data.client_speed: ")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("parallel_clients", [1, 2])
+def test_a_refusal_a_trainer_adds_is_made_by_check_too(tmp_path, monkeypatch, parallel_clients):
+    """--check builds the run's trainer with the run's builder (client/trainers.trainer_of) and
+    calls the same ``check_first``: a refusal added there, one after another or side by side,
+    is --check's too, with the run's line."""
+    from fedddp.client.trainers import OneAfterAnother
+
+    def refuse(self, data, ids):
+        raise ConfigError(f"train.batch_size: refused by {type(self).__name__} for {len(ids)} clients")
+
+    monkeypatch.setattr(OneAfterAnother, "check_first", refuse)
+    trainer = "OneAfterAnother" if parallel_clients == 1 else "SideBySide"
+    assert_check_refuses_as_the_run(tmp_path, [f"run.out_dir={tmp_path / 'out'}",
+                                               f"run.parallel_clients={parallel_clients}"],
+                                    ConfigError, f"refused by {trainer}")

@@ -147,7 +147,7 @@ def test_rows_every_n_rounds_in_client_id_order(k0_run):
     held = build(cfg, 0, []).num_held_out
     for r in (2, 4):
         mine = [e for e in evals if e["round"] == r]
-        assert [e["client"] for e in mine] == client_eval.cohort(cfg, held, r)
+        assert [e["client"] for e in mine] == client_eval.cohort(cfg.run, held, r)
         assert [e["num_samples"] for e in mine] == [held[e["client"]] for e in mine]
         assert set(mine[0]) == {"round", "client", "rank", "num_samples", "steps", "loss", "accuracy"}
     assert [e["round"] for e in evals] == [2] * 12 + [4] * 12
@@ -163,7 +163,7 @@ def test_cohort_numbers_equal_a_slow_twin_on_final_pt(k0_run):
     model = build_model(cfg, data.input_shape, data.num_classes, data.task)
     model.load_state_dict(final_state(k0_run))
     model.eval()
-    clients = client_eval.cohort(cfg, data.num_held_out, 4)
+    clients = client_eval.cohort(cfg.run, data.num_held_out, 4)
     accuracy, loss, n = [], [], []
     with torch.no_grad():
         for c in clients:

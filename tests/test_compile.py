@@ -1,4 +1,4 @@
-"""run.compile: torch.compile of the side-by-side step (fedddp.client.batched.Compiled) against
+"""run.compile: torch.compile of the side-by-side step (fedddp.client.compiled.Compiled) against
 the eager step, to float32 rounding (tests/test_parallel_clients.py's TOL), with groups smaller
 than B (5 clients a round at B = 3: groups of 3 and 2, padded to 3), clients that leave their
 group at different steps (padded back), and a rule with an extra pass (sam); the start line with
@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fedddp import checks, warmup
-from fedddp.client import batched
+from fedddp.client import compiled
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.round import run
@@ -76,7 +76,7 @@ def test_a_compiler_failure_is_one_line_and_the_eager_step(tmp_path, capsys, mon
             raise RuntimeError("no backend for this model\nsecond line")
         return compiled
 
-    monkeypatch.setattr(batched.torch, "compile", refuse)
+    monkeypatch.setattr(compiled.torch, "compile", refuse)
     capsys.readouterr()
     P = final_P(tmp_path, [], True)
     err = capsys.readouterr().err
@@ -98,9 +98,9 @@ def test_a_later_run_loads_the_compiled_step_from_the_cache(tmp_path, capsys, mo
     first = final_P(tmp_path / "first", [], True)
     assert os.listdir(tmp_path / "cache" / "inductor")
     torch._dynamo.reset()  # forget what this process compiled: only the disk is left
-    hits = batched.compile_cache_hits()
+    hits = compiled.compile_cache_hits()
     second = final_P(tmp_path / "second", [], True)
-    assert batched.compile_cache_hits() > hits
+    assert compiled.compile_cache_hits() > hits
     assert torch.equal(first, second)
     err = capsys.readouterr().err
     assert "kept in" in err and "graph(s) loaded from" in err

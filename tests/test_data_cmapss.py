@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from fedddp import checks, config
 from fedddp.__main__ import main as fedddp_main
-from fedddp.client import ClientContext, rules, train_client
+from fedddp.client import ClientContext, LocalTraining, rules, train_client
 from fedddp.comm import Comm
 from fedddp.data import build
 from fedddp.env import ProcessEnv
@@ -247,7 +247,7 @@ def test_plain_step_is_sgd_on_mse_and_evaluation_gives_mse_and_mae(cmapss_root):
                             zip(params, torch.autograd.grad(loss, params))]).detach()
     ctx = ClientContext(0, 1, w_P, layout, cfg.algorithm, task=get_task("regression"))
     out = {"params_P": torch.zeros(layout.numel)}
-    train_client(model, ctx, data.train[0], cfg, rules.get("plain"), frozenset(), 1, out)
+    train_client(model, ctx, data.train[0], LocalTraining.of(cfg), rules.get("plain"), frozenset(), 1, out)
     torch.testing.assert_close(out["params_P"], expected_P, rtol=1e-5, atol=1e-6)
     assert out["train_loss"].item() == pytest.approx(loss.item(), rel=1e-5)
 

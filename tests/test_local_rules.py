@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from fedddp import checks, config, strategies
 from fedddp.registry import ALGORITHMS
-from fedddp.client import ClientContext, train_client
+from fedddp.client import ClientContext, LocalTraining, train_client
 from fedddp.client import optim, rules
 from fedddp.comm import Comm
 from fedddp.data import ClientData
@@ -159,7 +159,7 @@ def run_client(cfg, model, layout, data, global_P, server_view=None, state=None)
     layout.unflatten_into(global_P, model)
     ctx = ClientContext(0, 1, global_P, layout, cfg.algorithm, server_view or {}, state if state is not None else {})
     out = {k: torch.zeros(layout.numel) for k in ("params_P", "control_delta_P", "perturb_dual_P")}
-    train_client(model, ctx, data, cfg, rules.get(cfg.algorithm.local), frozenset(), 123, out)
+    train_client(model, ctx, data, LocalTraining.of(cfg), rules.get(cfg.algorithm.local), frozenset(), 123, out)
     return out, ctx.state
 
 
@@ -329,7 +329,7 @@ def test_moon_twin():
     layout.unflatten_into(model_start, model)
     ctx = ClientContext(0, 2, w_glob, layout, cfg.algorithm, {}, {"prev_P": w_prev.clone()})
     out = {"params_P": torch.zeros(layout.numel)}
-    train_client(model, ctx, data, cfg, rules.get("moon"), frozenset(), 5, out)
+    train_client(model, ctx, data, LocalTraining.of(cfg), rules.get("moon"), frozenset(), 5, out)
 
     def loss(flat):
         theta = split(flat, shapes)
@@ -610,7 +610,7 @@ def client_steps(overrides, round_idx=1, rule=None, model_name="mlp"):
     w0 = layout.flatten(model).clone()
     ctx = ClientContext(0, round_idx, w0, layout, cfg.algorithm)
     out = {"params_P": torch.zeros(layout.numel)}
-    train_client(model, ctx, data, cfg, rule or rules.LocalRule(), frozenset(), 7, out)
+    train_client(model, ctx, data, LocalTraining.of(cfg), rule or rules.LocalRule(), frozenset(), 7, out)
     return out["params_P"], w0, ctx
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedddp import checks
-from fedddp.client import batched
+from fedddp.client import LocalTraining, batched
 from fedddp.errors import ConfigError
 
 from fedrun import run_here
@@ -31,13 +31,14 @@ def test_batch_norm_without_flat_buffers_or_other_buffers_are_refused_when_built
 
     net = Net(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Linear(8, 2))
     cfg = checks.load(None, ["run.parallel_clients=4"])
-    batched.BatchedTrainer(net, FlatLayout(net), cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
+    batched.BatchedTrainer(net, FlatLayout(net), LocalTraining.of(cfg), rules.get("plain"), frozenset(), CLASSIFICATION)
     with pytest.raises(ConfigError, match="model.flat_buffers=true or run.parallel_clients=1"):
-        batched.BatchedTrainer(net, FlatLayout(net, buffers=False), cfg, rules.get("plain"), frozenset(),
-                               CLASSIFICATION)
+        batched.BatchedTrainer(net, FlatLayout(net, buffers=False), LocalTraining.of(cfg), rules.get("plain"),
+                               frozenset(), CLASSIFICATION)
     net.features.register_buffer("scale", torch.ones(1))
     with pytest.raises(ConfigError, match=r"not BatchNorm statistics \(features.scale\).*run.parallel_clients=1"):
-        batched.BatchedTrainer(net, FlatLayout(net), cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
+        batched.BatchedTrainer(net, FlatLayout(net), LocalTraining.of(cfg), rules.get("plain"), frozenset(),
+                               CLASSIFICATION)
 
 
 BN_CASES = [["algorithm.name=fedavg"], ["train.momentum=0.9", "train.weight_decay=0.01"],
@@ -85,11 +86,11 @@ def test_batch_norm_steps_split_by_width_on_cpu_compute_no_padding(tmp_path, mon
     off, the same run does pad (so the first check can fail)."""
     by_width, masks = batched.BatchedTrainer._by_width, []
 
-    def recording(self, fn, args):
+    def recording(self, fn, args, shape):
         def call(*args):  # each vmapped call's masks [L, S]: its clients' samples and padding
             masks.append(args[4])
             return fn(*args)
-        return by_width(self, call, args)
+        return by_width(self, call, args, shape)
 
     monkeypatch.setattr(batched.BatchedTrainer, "_by_width", recording)
     split_P = final_P(tmp_path / "split", 4, BN_CNN + ["algorithm.name=fedsam"])
@@ -127,10 +128,10 @@ def test_each_client_keeps_its_own_running_statistics():
     for cid, data in enumerate(clients):
         layout.unflatten_into(global_P, model)
         ctx, data, seed, work, out = job(cid, data)
-        train_client(model, ctx, data, cfg, rule, frozenset(), seed, out, work)
+        train_client(model, ctx, data, LocalTraining.of(cfg), rule, frozenset(), seed, out, work)
         sequential.append(out["params_P"])
     group = [job(cid, data) for cid, data in enumerate(clients)]
-    batched.BatchedTrainer(model, layout, cfg, rule, frozenset(), CLASSIFICATION).train_group(group)
+    batched.BatchedTrainer(model, layout, LocalTraining.of(cfg), rule, frozenset(), CLASSIFICATION).train_group(group)
     for (*_, out), sequential_P, steps in zip(group, sequential, (1, 3, 4)):
         state, expected = layout.state_dict(out["params_P"]), layout.state_dict(sequential_P)
         for name, value in expected.items():

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fedddp import checks
-from fedddp.client import batched, batched_optim, parallel
+from fedddp.client import LocalTraining, batched, batched_optim, parallel
 from fedddp.comm import Comm
 from fedddp.env import ProcessEnv
 from fedddp.errors import ConfigError
@@ -184,14 +184,16 @@ def test_augmented_batches_are_the_sequential_paths():
         layout.unflatten_into(global_P, model)
         sequential.append([])
         ctx, data, seed, work, out = job(cid, data)
-        train_client(model, ctx, data, cfg, Recorded(), frozenset(), seed, out, work)
+        train_client(model, ctx, data, LocalTraining.of(cfg), Recorded(), frozenset(), seed, out, work)
     fed = []
-    trainer = batched.BatchedTrainer(model, layout, cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
+    trainer = batched.BatchedTrainer(model, layout, LocalTraining.of(cfg), rules.get("plain"), frozenset(),
+                                     CLASSIFICATION)
     gradients = trainer._gradients
 
-    def recorded(stacks, x, y, mask, count, *rest):
+    def recorded(stacks, batch, shape):
+        x, y, mask, count, drops = batch
         fed.append([x[j, :int(n)].clone() for j, n in enumerate(count.tolist())])
-        return gradients(stacks, x, y, mask, count, *rest)
+        return gradients(stacks, batch, shape)
 
     trainer._gradients = recorded
     trainer.train_group([job(cid, data) for cid, data in enumerate(clients)])
@@ -477,12 +479,13 @@ def _measure_adam_zero_gradient(seeds: int = 20, lr: float = 1e-3) -> None:
             for cid in range(3):
                 layout.unflatten_into(start_P, model)
                 ctx, data, client_seed, work, out = job(cid, start_P)
-                train_client(model, ctx, data, cfg, rule, frozenset(), client_seed, out, work)
+                train_client(model, ctx, data, LocalTraining.of(cfg), rule, frozenset(), client_seed, out, work)
                 reports.append(out["params_P"])
             return reports
 
         group = [job(cid, global_P) for cid in range(3)]
-        batched.BatchedTrainer(model, layout, cfg, rule, frozenset(), CLASSIFICATION).train_group(group)
+        trainer = batched.BatchedTrainer(model, layout, LocalTraining.of(cfg), rule, frozenset(), CLASSIFICATION)
+        trainer.train_group(group)
         for (*_, out), seq_P, moved in zip(group, sequential(global_P), sequential(moved_P)):
             diff_P = (out["params_P"] - seq_P).abs() / lr
             in_bias = torch.zeros_like(diff_P, dtype=torch.bool)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedddp import checks
-from fedddp.client import batched
+from fedddp.client import LocalTraining, batched
 from fedddp.errors import ConfigError
 
 from test_parallel_clients import BLOBS, DROPOUT, TOL, assert_close, final_P
@@ -123,7 +123,8 @@ def test_dropout_on_a_dimension_other_than_the_batch_is_refused_side_by_side():
     net = dropout.seeded(Net(nn.Sequential(nn.Linear(4, 8), Transpose(), nn.Dropout(0.5), Transpose()),
                              nn.Linear(8, 2)))
     cfg = checks.load(None, ["run.parallel_clients=4"])
-    trainer = batched.BatchedTrainer(net, FlatLayout(net), cfg, rules.get("plain"), frozenset(), CLASSIFICATION)
+    trainer = batched.BatchedTrainer(net, FlatLayout(net), LocalTraining.of(cfg), rules.get("plain"), frozenset(),
+                                     CLASSIFICATION)
     with pytest.raises(ConfigError, match=r"dropout layer features.2 sees inputs \[8, 1\], \[8, 2\].*"
                                           "run.parallel_clients=1"):
         trainer.try_step(ClientData(torch.randn(5, 4), torch.randint(0, 2, (5,))))

@@ -44,6 +44,27 @@ class ClientContext:
     task: Task = CLASSIFICATION  # the data's loss (cross-entropy or MSE), fedddp.tasks
 
 
+@dataclass(frozen=True)
+class LocalTraining:
+    """What a rank's trainer reads of the config, taken once when the trainer is built, so that
+    training reads its fields rather than the whole config: the train section, data.augment,
+    the model's name (refusals name it), the algorithm section (the rule's hyperparameters where
+    no client's context gives them: the warm-up), B (run.parallel_clients as the run resolved
+    it: run.compile pads every step to B clients) and run.compile."""
+
+    train: object  # config.TrainConfig
+    augment: bool = False
+    model_name: str = ""
+    hp: object = None  # config.AlgorithmConfig
+    clients: int = 1
+    compile: bool = False
+
+    @classmethod
+    def of(cls, cfg, clients: int = 1) -> LocalTraining:
+        """The fields of ``cfg`` (a fedddp.config.Config); ``clients``: the resolved B."""
+        return cls(cfg.train, cfg.data.augment, cfg.model.name, cfg.algorithm, clients, bool(cfg.run.compile))
+
+
 def batches_per_epoch(n: int, batch_size: int) -> int:
     """Minibatches in an epoch of n samples, the last one partial when they do not divide."""
     b = batch_size_of(n, batch_size)
@@ -132,19 +153,19 @@ class Schedule:
         return lr_at(self.tc, self.round_idx, self.epochs_before + step // self.per_epoch)
 
 
-def train_client(model, ctx: ClientContext, data: ClientData, cfg, rule: LocalRule, needs: frozenset,
-                 seed: int, out: dict[str, torch.Tensor], work: int = 0) -> None:
+def train_client(model, ctx: ClientContext, data: ClientData, training: LocalTraining, rule: LocalRule,
+                 needs: frozenset, seed: int, out: dict[str, torch.Tensor], work: int = 0) -> None:
     """Train ``model`` (already holding global_P) on ``data`` and write the report into ``out``:
     views into the gather buffer (``params_P`` and any of ``last_grad_P``, ``full_grad_P``), plus
     scalars ``train_loss``, ``num_samples``, ``num_steps``, ``full_loss`` and ``eff_rank_L``.
     ``work``: this round's local epochs (steps) of the client, see ``planned_steps``."""
-    tc = cfg.train
+    tc = training.train
     model.train()
     drops = dropout.layers(model)  # their masks: drawn from (seed, step, layer), models.dropout
     if rule.needs_start_gradient(ctx.hp):
         # before seeding: the extra pass leaves the training's random stream as it was
         ctx.scratch["start_grad_P"] = start_gradient(model, data, ctx.layout, tc.batch_size, ctx.task, seed)
-    schedule = Schedule(data, tc, cfg.data.augment, ctx.round_idx, seed, work, ctx.global_P.device)
+    schedule = Schedule(data, tc, training.augment, ctx.round_idx, seed, work, ctx.global_P.device)
     torch.manual_seed(seed)  # any random op of the model other than nn.Dropout uses the global generator
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(tc, params, schedule.lr(0))

@@ -5,9 +5,9 @@ Legend: B clients of a group, S padded samples of a step (the group's largest ba
 elements, T parameter tensors.
 
 Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` over the stacked
-parameters (``Compiled``: through torch.compile under run.compile), then the rule's direction and
-the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_client``'s semantics client by client (that path,
-``B = 1``, stays the reference):
+parameters (through torch.compile under run.compile: ``Compiled``, client/compiled.py), then
+the rule's direction and the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps
+``train_client``'s semantics client by client (that path, ``B = 1``, stays the reference):
 
 - batches: each client's ``Schedule``, the one ``train_client`` draws from (its own generator
   seeded by (seed, round, client id), ``randperm`` per epoch, then augmentation), so a client's
@@ -34,14 +34,16 @@ the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps ``train_clie
 - dropout: vmap refuses random operations, so each client's masks are drawn outside it from
   (its seed, step, layer) as ``models.dropout.SeededDropout`` draws them in the sequential path
   (a counter-based hash: every client's and step's masks of a group in one draw a layer, padded
-  with zeros), and the twin's ``_MaskedDropout`` layers multiply by them; any other random operation is a config error naming the module, found before round 1 by
-  ``try_step`` (which the run and ``--check`` call).
+  with zeros), and the masked twin's ``MaskedDropout`` layers (client/masked.py) multiply by
+  them; any other random operation is a config error naming the module, found before round 1
+  by ``try_step`` (the side-by-side trainer's ``check_first``, which the run and ``--check``
+  call).
 
 BatchNorm: each client has its own running statistics (running_mean, running_var,
 num_batches_tracked), stacked on the client dimension like the parameters and starting from the
 global vector's (``model.flat_buffers = true``; with false the sequential path's statistics are
 whatever the rank's previous client left, so B > 1 is refused). In the batched computation every
-BatchNorm layer is a ``_MaskedBatchNorm`` (a copy of the model on the meta device holds them):
+BatchNorm layer is a ``MaskedBatchNorm`` (client/masked.py; a copy of the model on the meta device holds them):
 in training mode it normalises with the mean and biased variance of the client's own samples
 only (padding has mask 0 and enters neither), and returns that mean and the unbiased variance as
 auxiliary outputs of ``grad_and_value``; the running statistics are then updated outside the
@@ -52,7 +54,7 @@ eval mode on their own running statistics. Other buffers (not BatchNorm's) are r
 2.14's vmap of ``F.batch_norm`` does update batched buffers in place, but it would take the
 padding into the statistics; on CPU masking costs 2-14% of a ResNet-18 step against it:
 BENCHMARKS.md.) A call without padding (every client's batch of one width) normalises with
-torch's own fused kernel and takes the statistics beside it (``_Batch.full``). On CPU a step
+torch's own fused kernel and takes the statistics beside it (``Batch.full``). On CPU a step
 whose clients' batches differ in width (a partial batch beside full ones) runs one such call per
 width on unpadded rows (``_by_width``), so no padding is computed; on a GPU it stays one padded,
 masked call (``SPLIT_DEVICES``). Memory:
@@ -67,27 +69,24 @@ size (``fedddp.sampling.assign_groups``).
 
 from __future__ import annotations
 
-import copy
 import math
-import os
-import sys
 import time
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.utils._pytree import tree_map
 
-from .. import strategies, tasks
 from ..errors import ConfigError
 from ..flat import FlatLayout
 from ..models import WITH_BATCH_NORM, dropout
 from ..registry import LOCAL_RULES, resolve
-from ..strategies.kernels import cache_dir as kernels_cache_dir
 from . import precision, rules
-from . import ClientContext, Schedule, finish_report, start_gradient
+from . import ClientContext, LocalTraining, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
+from .compiled import Compiled
+from .masked import Batch, masked_twin
 
 # Devices where a BatchNorm model's step whose batches differ in width runs one call per width
 # instead of one padded call: on CPU the cost follows the samples computed, padding included
@@ -128,16 +127,6 @@ def check(cfg) -> list[str]:
 _FLAT_BUFFERS_ERROR = ("run.parallel_clients: model.name = {} has BatchNorm, whose running statistics with "
                        "model.flat_buffers=false depend on the rank's previous client; set "
                        "model.flat_buffers=true or run.parallel_clients=1")
-
-
-def try_side_by_side(cfg, model, data) -> None:
-    """--check's trial of the run's side-by-side step (``BatchedTrainer.try_step``) on the first
-    client with samples of ``data`` (a built FederatedData), as the run makes it before round 1."""
-    local, server = resolve(cfg.algorithm)
-    needs = strategies.ALWAYS | strategies.get(server).needs_for(cfg.algorithm)
-    trainer = BatchedTrainer(model, FlatLayout(model, buffers=cfg.model.flat_buffers), cfg, rules.get(local),
-                             needs, tasks.get(data.task))
-    trainer.try_first_client(data.train, data.num_samples, range(cfg.data.num_clients))
 
 
 class _Represent(nn.Module):
@@ -187,23 +176,55 @@ class _NetAt:
         return (losses if self._trainer.batch.full else losses * self._mask).sum() / self._count
 
 
+@dataclass
+class _Group:
+    """What every step of a group reads besides its stacks: the form of each of the rule's
+    scratch entries ("list" of tensors, or "one" tensor or number), the entries and frozen models
+    every client shares (one for all, without the client dimension: FedProx's anchor, MOON's
+    global model), the number of frozen models a client has (MOON: the global and the previous
+    one), and the rule's hyperparameters (the clients' ctx.hp)."""
+
+    forms: dict
+    shared: dict
+    frozen_count: int
+    hp: object
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How a step's gradient call is cut: ``parts``, its clients (rows) by batch width when the
+    step is split by width (``BatchedTrainer._width_parts``; None: one call, padded), and
+    ``full``, whether every client's batch has one width (no padding: BatchNorm then runs
+    torch's own kernel)."""
+
+    parts: list | None
+    full: bool
+
+
+def _entry(name: str, stacks: dict, group: _Group):
+    """The rule's scratch entry ``name`` for the direction: stacked [L, ...], or one for all."""
+    key = ("scratch", name)
+    leaves = stacks[key] if key in stacks else group.shared[key]
+    return list(leaves) if group.forms[name] == "list" else leaves[0]
+
+
 class _Step:
     """One step of the clients still stepping as ``LocalRule.direction`` reads it: w, g and the
     rule's scratch entries stacked [L, ...] (one for all: without the client dimension), hp
     (``rules.OneClient`` is the one-after-another form)."""
 
-    def __init__(self, trainer, stacks: dict, shared: dict, grads_T, batch: tuple, hp):
-        self.params, self.grads, self.hp = stacks["params"], grads_T, hp
-        self.scratch = {name: trainer._entry(name, stacks, shared) for name in trainer.step_keys}
+    def __init__(self, trainer, stacks: dict, group: _Group, grads_T, batch: tuple, shape: _Shape):
+        self.params, self.grads, self.hp = stacks["params"], grads_T, group.hp
+        self.scratch = {name: _entry(name, stacks, group) for name in trainer.step_keys}
         self._given = dict(self.scratch)
-        self._trainer, self._stacks, self._batch = trainer, stacks, batch
+        self._trainer, self._stacks, self._batch, self._shape = trainer, stacks, batch, shape
 
     def grads_at(self, shift_T) -> list[torch.Tensor]:
         """Each client's gradient of the task's loss at w + shift (the step's batch and dropout
         masks; its BatchNorm statistics discarded)."""
         shifted_T = [p + e for p, e in zip(self.params, shift_T)]
         t = self._trainer
-        return t._by_width(t._data, (shifted_T, self._stacks["buffers"]) + self._batch)[0]
+        return t._by_width(t._data, (shifted_T, self._stacks["buffers"]) + self._batch, self._shape)[0]
 
     @staticmethod
     def norm(tensors) -> torch.Tensor:
@@ -248,178 +269,19 @@ def _one_for_all(values: list) -> bool:
     first = where(values[0])
     return all(where(v) == first for v in values[1:])
 
-class _Batch:
-    """What the masked BatchNorm and dropout layers of one forward read and write: the client's
-    sample mask [S] and count and its dropout masks by layer index ([S, ...] each; under vmap
-    each client's own), whether the call has no padding at all (``full``: every mask all ones),
-    and, in the order the layers ran, the names of the layers that computed batch statistics
-    and those statistics."""
-
-    def __init__(self):
-        self.mask = self.count = None
-        self.full = False
-        self.drops = {}
-        self.names, self.stats = [], []
-
-
-class _MaskedBatchNorm(nn.Module):
-    """A BatchNorm layer (any dimension) over the samples of ``batch.mask`` only, with the same
-    parameters and buffers (names, shapes) as the layer it stands for. It never writes its
-    buffers: in training mode it appends (mean, unbiased variance) to ``batch.stats`` for the
-    caller to update the running statistics outside the torch.func transforms."""
-
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, name: str, batch: _Batch):
-        super().__init__()
-        self.eps, self.momentum, self.name, self.batch = bn.eps, bn.momentum, name, batch
-        self.weight, self.bias = bn.weight, bn.bias
-        for key in ("running_mean", "running_var", "num_batches_tracked"):
-            self.register_buffer(key, getattr(bn, key, None))
-
-    def forward(self, x):
-        shape = (1, -1) + (1,) * (x.dim() - 2)  # [C] broadcast over [S, C, ...]
-        dims = [0] + list(range(2, x.dim()))
-        if self.batch.full and (self.training or self.running_mean is None):
-            # no padding in this call: torch's fused kernel over all the samples (1.13x faster
-            # than masking on a CPU ResNet-18 step of 4 clients, BENCHMARKS.md), the statistics
-            # for the running ones beside it
-            # in float32, as the masked form computes (its float32 mask promotes a bfloat16 input
-            # under train.precision = bf16); vmap's batch_norm refuses mixed dtypes besides
-            if x.dtype != torch.float32:
-                x = x.float()
-            if self.training and self.running_mean is not None:
-                var_C, mean_C = torch.var_mean(x.detach(), dims, correction=1)
-                self.batch.names.append(self.name)
-                self.batch.stats += [mean_C, var_C]
-            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if self.training or self.running_mean is None:  # torch's bn_training
-            mask = self.batch.mask.view((-1,) + (1,) * (x.dim() - 1))
-            n = self.batch.count * (x[0, 0].numel())  # the client's values per channel
-            mean_C = (x * mask).sum(dims) / n
-            centred = x - mean_C.view(shape)
-            var_C = (centred * centred * mask).sum(dims) / n
-            if self.training and self.running_mean is not None:
-                self.batch.names.append(self.name)
-                self.batch.stats += [mean_C.detach(), (var_C * (n / (n - 1))).detach()]
-            out = centred * torch.rsqrt(var_C + self.eps).view(shape)
-        else:
-            out = (x - self.running_mean.view(shape)) * torch.rsqrt(self.running_var + self.eps).view(shape)
-        if self.weight is not None:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
-
-
-class _MaskedDropout(nn.Module):
-    """A ``dropout.SeededDropout`` whose mask is the client's for this step, ``batch.drops``
-    (drawn outside vmap as the sequential path draws it): no random operation under vmap."""
-
-    def __init__(self, layer: dropout.SeededDropout, batch: _Batch):
-        super().__init__()
-        self.p, self.index, self.batch = layer.p, layer.index, batch
-
-    def forward(self, x):
-        if not self.training or self.p == 0:
-            return x
-        return x * self.batch.drops[self.index]
-
-
-def _masked_twin(model: nn.Module, batch: _Batch) -> nn.Module:
-    """The model with each BatchNorm layer a ``_MaskedBatchNorm`` and each dropout layer a
-    ``_MaskedDropout``, on the meta device: functional_call supplies every parameter and
-    buffer, so it holds no memory of its own."""
-    twin = copy.deepcopy(model).to("meta")
-    for name, module in list(twin.named_modules()):
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            masked = _MaskedBatchNorm(module, name, batch)
-        elif isinstance(module, dropout.SeededDropout):
-            masked = _MaskedDropout(module, batch)
-        else:
-            continue
-        parent, _, child = name.rpartition(".")
-        setattr(twin.get_submodule(parent) if parent else twin, child, masked)
-    return twin
-
-
-def _check_buffers(model: nn.Module, layout: FlatLayout, cfg) -> None:
+def _check_buffers(model: nn.Module, layout: FlatLayout, model_name: str) -> None:
     """BatchNorm statistics are batched when they travel in the flat vector; anything else is a
     config error naming the fix."""
     bn_buffers = {f"{name}.{key}" for name, m in model.named_modules()
                   if isinstance(m, nn.modules.batchnorm._BatchNorm) for key, _ in m.named_buffers(recurse=False)}
     others = [name for name, _ in model.named_buffers() if name not in bn_buffers]
     if others:
-        raise ConfigError(f"run.parallel_clients: model.name = {cfg.model.name} has buffers that are not "
+        raise ConfigError(f"run.parallel_clients: model.name = {model_name} has buffers that are not "
                           f"BatchNorm statistics ({', '.join(others[:3])}), which are not batched; set "
                           "run.parallel_clients=1")
     if bn_buffers and not any(not e.is_param for e in layout.entries):
-        raise ConfigError(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
+        raise ConfigError(_FLAT_BUFFERS_ERROR.format(model_name))
 
-
-
-def _pad(t: torch.Tensor, rows: int, width: int | None = None, fill_first: bool = False) -> torch.Tensor:
-    """``t`` [L, ...] padded to ``rows`` rows (copies of row 0 when ``fill_first``, else zeros) and,
-    given ``width``, its second dimension to ``width`` (zeros)."""
-    if width is not None and t.shape[1] < width:
-        t = torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1]) + tuple(t.shape[2:]))], dim=1)
-    if t.shape[0] < rows:
-        extra = (rows - t.shape[0],) + tuple(t.shape[1:])
-        t = torch.cat([t, t[:1].expand(extra) if fill_first else t.new_zeros(extra)])
-    return t
-
-
-def compile_cache_hits() -> int:
-    """Compiled graphs this process has loaded from torch.compile's disk caches (inductor's FX
-    graphs, AOTAutograd's forward and backward)."""
-    from torch._dynamo.utils import counters  # here: importing dynamo costs a run without compile time
-
-    return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-
-
-class Compiled:
-    """run.compile: ``torch.compile`` of the side-by-side gradient function, called with every
-    per-client tensor padded to B clients (copies of the first; mask 0, count 1) and the batch to
-    train.batch_size samples (mask 0), so the shapes, and the one graph, stay the same across
-    steps, rounds and a last group smaller than B. Compiled on the first call, its time kept in
-    ``seconds`` (one line says it); a model torch.compile cannot take runs eagerly from then on,
-    said in one line (``note``), never a traceback."""
-
-    def __init__(self, fn, cfg):
-        # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not
-        # in inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another
-        # node with the same home folder loads them instead of compiling again
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels_cache_dir(), "inductor"))
-        self.fn, self.rows, self.width = torch.compile(fn, dynamic=False), int(cfg.run.parallel_clients), \
-            cfg.train.batch_size if cfg.train.batch_size > 0 else None
-        self.seconds, self.note, self.failed = None, "", False
-
-    def __call__(self, params_T, buffers_T, x, y, mask, count, drops, inputs):
-        """The gradients, (objective, (loss, stats)) of the clients given, or None (run eagerly)."""
-        if self.failed:
-            return None
-        L, rows, width = x.shape[0], max(self.rows, x.shape[0]), max(self.width or 0, x.shape[1])
-        per_client = lambda ts: [_pad(t, rows, fill_first=True) for t in ts]  # noqa: E731
-        args = (per_client(params_T), per_client(buffers_T), _pad(x, rows, width), _pad(y, rows, width),
-                _pad(mask, rows, width), torch.cat([count, count.new_ones(rows - L)]),
-                {k: _pad(v, rows, width) for k, v in drops.items()},
-                {k: per_client(v) for k, v in inputs.items()})
-        if self.seconds is None and x.device.type == "cpu":  # said before the silence, not after it
-            print("fedddp: run.compile: compiling the side-by-side step; on CPU that can take minutes (seconds "
-                  "from the cache of an earlier run) and rarely pays (BENCHMARKS.md)", file=sys.stderr, flush=True)
-        start, hits = time.perf_counter(), compile_cache_hits()
-        try:
-            grads_T, (objective, (loss_L, stats)) = self.fn(*args)
-        except Exception as exc:  # noqa: BLE001 - any failure of the compiler: the eager step is the reference
-            self.failed = True
-            first = " ".join(str(exc).split())[:200]
-            self.note = f"run.compile: torch.compile failed ({type(exc).__name__}: {first}); side by side runs eagerly"
-            print(f"fedddp: {self.note}", file=sys.stderr, flush=True)
-            return None
-        if self.seconds is None:
-            self.seconds = time.perf_counter() - start
-            self.cache_hits = compile_cache_hits() - hits
-            cached = (f", {self.cache_hits} graph(s) loaded from {os.environ['TORCHINDUCTOR_CACHE_DIR']}"
-                      if self.cache_hits else f"; kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']} for later runs")
-            print(f"fedddp: run.compile: side-by-side step compiled in {self.seconds:.1f} s (once a run{cached})",
-                  file=sys.stderr, flush=True)
-        return [g[:L] for g in grads_T], (objective[:L], (loss_L[:L], tuple(t[:L] for t in stats)))
 
 
 # A group's dropout masks for all its steps are drawn at once up to this size (float32), each
@@ -479,9 +341,10 @@ class _GroupBatches:
 class BatchedTrainer:
     """Trains groups of clients side by side; one per run (it holds the model's functional form)."""
 
-    def __init__(self, model, layout: FlatLayout, cfg, rule, needs: frozenset, task):
-        self.model, self.layout, self.cfg, self.rule, self.needs, self.task = model, layout, cfg, rule, needs, task
-        _check_buffers(model, layout, cfg)
+    def __init__(self, model, layout: FlatLayout, training: LocalTraining, rule, needs: frozenset, task):
+        self.model, self.layout, self.training, self.rule, self.needs, self.task = \
+            model, layout, training, rule, needs, task
+        _check_buffers(model, layout, training.model_name)
         self.param_entries = [e for e in layout.entries if e.is_param]
         self.buffer_entries = [e for e in layout.entries if not e.is_param]
         self.names = [e.name for e in self.param_entries] + [e.name for e in self.buffer_entries]
@@ -492,17 +355,15 @@ class BatchedTrainer:
         self.buffer_index = {e.name: i for i, e in enumerate(self.buffer_entries)}  # position in stacks["buffers"]
         # dropout layers, and each one's input shape per sample (``_dropout_shapes``)
         self.dropouts, self.drop_shapes = dropout.layers(model), None
-        self.batch, self.stat_names = _Batch(), []
-        # the step's clients by batch width when it is split (``_width_parts``), and whether its
-        # batches are all of one width (no padding: BatchNorm then runs torch's own kernel)
-        self.parts, self.full = None, False
-        self.net = _masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
+        self.batch, self.stat_names = Batch(), []
+        self.net = masked_twin(model, self.batch) if self.batch_norms or self.dropouts else model
         self.represent = _Represent(self.net)  # (representation, output), for rules that read z (MOON)
-        # the rule's scratch entries (their forms: "list" of tensors, or "one" tensor or number),
-        # and for the group being trained: what every client shares, its frozen models, hp
+        # the rule's scratch entries; the group being trained (``_Group``), which the functions
+        # below read: they are transformed once (vmap, torch.compile), so the group cannot be
+        # their argument. Set once a group, before its first step; outside a group (the
+        # warm-up, try_step) none of the rule's entries and the configured hp.
         self.step_keys = rules.step_keys(rule)
-        self.forms: dict[str, str] = {}
-        self.shared, self.frozen_count, self.hp = {}, 0, cfg.algorithm
+        self.group = _Group({}, {}, 0, training.hp)
 
         def data_loss(params_T, buffers_T, x, y, mask, count, drops):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, {}, [])
@@ -510,7 +371,7 @@ class BatchedTrainer:
 
         def rule_loss(params_T, buffers_T, x, y, mask, count, drops, inputs):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, self._scratch(inputs), self._frozen(inputs))
-            objective, loss = rule.loss(net, x, y, self.hp)
+            objective, loss = rule.loss(net, x, y, self.group.hp)
             return objective, (loss, net.stats)
 
         # per client: (gradients of the loss, (the loss, aux)) at its own parameters, batch, dropout
@@ -519,7 +380,8 @@ class BatchedTrainer:
         self._data = vmap(grad_and_value(data_loss, has_aux=True))
         self._rule_grads = vmap(grad_and_value(rule_loss, has_aux=True))
         # run.compile: the rule's gradients compiled once, on first use (``_gradients``)
-        self.compiled = Compiled(self._rule_grads, cfg) if getattr(cfg.run, "compile", False) else None
+        self.compiled = Compiled(self._rule_grads, training.clients, training.train.batch_size) \
+            if training.compile else None
 
     def _forward(self, net, params_T, buffers_T, x, mask, count, drops, prefix: str = "", training: bool = True):
         """``net`` at the given parameters and buffers, in training or eval mode; BatchNorm over
@@ -582,19 +444,19 @@ class BatchedTrainer:
                        "layers can: their masks are drawn outside vmap)")
             else:
                 why = f"does not run under torch.func.vmap ({str(exc).splitlines()[0]})"
-            raise ConfigError(f"run.parallel_clients: model.name = {self.cfg.model.name}: {where} {why}; set "
+            raise ConfigError(f"run.parallel_clients: model.name = {self.training.model_name}: {where} {why}; set "
                               "run.parallel_clients=1") from None
         finally:
             for hook in hooks:
                 hook.remove()
 
-    def warm_up(self, data, rows: int) -> None:
-        """One gradient call of a full group's shape, ``rows`` copies of a full batch of ``data``
+    def warm_up(self, data) -> None:
+        """One gradient call of a full group's shape, B copies of a full batch of ``data``
         (a client's) at the model's parameters, the result discarded: run.compile's graph
         compiles, and the device's libraries set up, before round 1 instead of in it. A rule
         whose step reads its own entries (FedProx's anchor, SCAFFOLD's correction) warms with
         the task's loss alone; its compiled graph is then built in round 1."""
-        tc, device = self.cfg.train, data.x.device
+        tc, device, rows = self.training.train, data.x.device, self.training.clients
         width = tc.batch_size if tc.batch_size > 0 else len(data)
         index = torch.arange(width, device=device) % len(data)
         # contiguous, as a step's batches are: the compiled graph is specialised on strides too
@@ -607,12 +469,12 @@ class BatchedTrainer:
                   "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
         mask = torch.ones(rows, width, device=device)
         drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
-        self.parts, self.full, self.shared, self.frozen_count = None, True, {}, 0
+        self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
         with precision.local(tc.precision, device):
             if self.step_keys:
-                self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops))
+                self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops), shape)
             else:
-                self._gradients(stacks, x, y, mask, mask.sum(1), drops)
+                self._gradients(stacks, (x, y, mask, mask.sum(1), drops), shape)
 
     def _dropout_shapes(self, x) -> dict[int, tuple]:
         """Each dropout layer's input shape per sample, by index, from eval forwards of one and
@@ -641,7 +503,7 @@ class BatchedTrainer:
                 continue
             if len(calls) != 2 or calls[0][1][:1] != (1,) or calls[1][1] != (2,) + calls[0][1][1:]:
                 raise ConfigError(
-                    f"run.parallel_clients: model.name = {self.cfg.model.name}: its dropout layer "
+                    f"run.parallel_clients: model.name = {self.training.model_name}: its dropout layer "
                     f"{names[layer]} sees inputs {', '.join(str(list(shape)) for _, shape in calls)} for batches "
                     "of 1 and 2 samples; side by side its masks are drawn per sample along the first "
                     "dimension, which must be the batch's, one shape per layer; set run.parallel_clients=1")
@@ -650,42 +512,37 @@ class BatchedTrainer:
 
 
 
-    def _entry(self, name: str, stacks: dict, shared: dict):
-        """The rule's scratch entry ``name`` for the direction: stacked [L, ...], or one for all."""
-        key = ("scratch", name)
-        leaves = stacks[key] if key in stacks else shared[key]
-        return list(leaves) if self.forms[name] == "list" else leaves[0]
-
     def _scratch(self, inputs: dict) -> dict:
         """The rule's scratch entries under vmap: one client's rows of ``inputs``, or one for all."""
         out = {}
         for name in self.step_keys:
             key = ("scratch", name)
-            leaves = inputs[key] if key in inputs else self.shared[key]
-            out[name] = list(leaves) if self.forms[name] == "list" else leaves[0]
+            leaves = inputs[key] if key in inputs else self.group.shared[key]
+            out[name] = list(leaves) if self.group.forms[name] == "list" else leaves[0]
         return out
 
     def _frozen(self, inputs: dict) -> list[tuple[list, list]]:
         """The frozen models (parameters, buffers) under vmap: one client's, or one for all."""
         n, models = len(self.param_entries), []
-        for i in range(self.frozen_count):
+        for i in range(self.group.frozen_count):
             key = ("frozen", i)
-            tensors = inputs[key] if key in inputs else self.shared[key]
+            tensors = inputs[key] if key in inputs else self.group.shared[key]
             models.append((tensors[:n], tensors[n:]))
         return models
 
-    def _gradients(self, stacks: dict, x, y, mask, count, drops):
+    def _gradients(self, stacks: dict, batch: tuple, shape: _Shape):
         """Per client: the gradients of the rule's objective at its parameters (and its running
-        statistics ``stacks["buffers"]``) on its batch with its dropout masks ``drops``, its data
-        loss (MOON's without the contrastive term), and its BatchNorm batch statistics (mean,
-        unbiased variance per layer in ``self.stat_names``' order, [L, C] each)."""
+        statistics ``stacks["buffers"]``) on its batch with its dropout masks (``batch``: x, y,
+        mask, count, drops), its data loss (MOON's without the contrastive term), and its
+        BatchNorm batch statistics (mean, unbiased variance per layer in ``self.stat_names``'
+        order, [L, C] each)."""
         inputs = {key: value for key, value in stacks.items() if isinstance(key, tuple)}
-        args = (stacks["params"], stacks["buffers"], x, y, mask, count, drops, inputs)
+        args = (stacks["params"], stacks["buffers"]) + batch + (inputs,)
         out = None
         if self.compiled is not None:
             self.batch.full = False  # every call padded to the same shapes
             out = self.compiled(*args)
-        grads_T, (_, (loss_L, stats)) = out if out is not None else self._by_width(self._rule_grads, args)
+        grads_T, (_, (loss_L, stats)) = out if out is not None else self._by_width(self._rule_grads, args, shape)
         return grads_T, loss_L, stats
 
     def _width_parts(self, sizes: list[int], device) -> list[tuple[list[int], int]] | None:
@@ -700,17 +557,17 @@ class BatchedTrainer:
             parts.setdefault(size, []).append(row)
         return [(rows, width) for width, rows in parts.items()]
 
-    def _by_width(self, fn, args: tuple):
+    def _by_width(self, fn, args: tuple, shape: _Shape):
         """``fn(params_T, buffers_T, x, y, mask, count, drops, *rest)`` over the step's clients
         (every argument [L, ...], per client): one call, or with the step split by width
-        (``self.parts``) one call per width on its clients' rows cut to that width, no padding
+        (``shape.parts``) one call per width on its clients' rows cut to that width, no padding
         computed, the results put back in row order. Each client's result is the same computation
         on the same samples either way (to float32 rounding: the kernels see other shapes)."""
-        self.batch.full = self.full or self.parts is not None
-        if self.parts is None:
+        self.batch.full = shape.full or shape.parts is not None
+        if shape.parts is None:
             return fn(*args)
         outs, order = [], []
-        for rows, width in self.parts:
+        for rows, width in shape.parts:
             index = torch.tensor(rows, dtype=torch.long, device=args[2].device)
             take = lambda t: t.index_select(0, index)  # noqa: E731
             params_T, buffers_T, x, y, mask, count, drops, *rest = tree_map(take, args)
@@ -755,18 +612,19 @@ class BatchedTrainer:
         return new_T
 
 
-    def _start_stacks(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, dict]:
-        """The group's per-client tensors as stacks ([B, ...]) and the ones every client shares,
-        after the rule's begin hooks: parameters and buffers from global_P, the rule's scratch
-        entries (FedProx's anchor, SCAFFOLD's correction, FedSMOO's duals, MOON's has_prev) and the
-        models of ctx.scratch["frozen_P"] (MOON's global and previous models)."""
+    def _start_stacks(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, _Group]:
+        """The group's per-client tensors as stacks ([B, ...]) and its ``_Group`` (with the
+        tensors every client shares), after the rule's begin hooks: parameters and buffers from
+        global_P, the rule's scratch entries (FedProx's anchor, SCAFFOLD's correction, FedSMOO's
+        duals, MOON's has_prev) and the models of ctx.scratch["frozen_P"] (MOON's global and
+        previous models)."""
         # Per-client tensors live in ``stacks`` ([L, ...] over the L clients still stepping, in
         # the order of ``live``); one every client shares (FedProx's anchor: the global model)
         # stays in ``shared`` and broadcasts. The rule's entries are keyed ("scratch", name).
-        stacks, shared = {}, {}
+        stacks, shared, forms = {}, {}, {}
         for name in self.step_keys:
             values = [ctx.scratch[name] for ctx, *_ in group]
-            self.forms[name] = "list" if isinstance(values[0], (list, tuple)) else "one"
+            forms[name] = "list" if isinstance(values[0], (list, tuple)) else "one"
             if _one_for_all(values):
                 shared[("scratch", name)] = _as_leaves(values[0])
             elif isinstance(values[0], (int, float)):
@@ -780,9 +638,9 @@ class BatchedTrainer:
         # frozen models, one list per client (MOON: the global model, then the previous one if
         # the client has it); a shorter list is padded with its first model
         frozen_B = [ctx.scratch.get("frozen_P", []) for ctx, *_ in group]
-        self.frozen_count = max(len(f) for f in frozen_B)
+        frozen_count = max(len(f) for f in frozen_B)
         entries = self.param_entries + self.buffer_entries
-        for i in range(self.frozen_count):
+        for i in range(frozen_count):
             flats_B = [f[i] if i < len(f) else f[0] for f in frozen_B]
             if all(f is flats_B[0] for f in flats_B):
                 shared[("frozen", i)] = [flats_B[0][e.offset:e.offset + e.numel].view(e.shape) for e in entries]
@@ -790,13 +648,13 @@ class BatchedTrainer:
                 flat_BP = torch.stack([f.to(device) for f in flats_B])
                 stacks[("frozen", i)] = [flat_BP[:, e.offset:e.offset + e.numel].reshape((B,) + e.shape)
                                          for e in entries]
-        return stacks, shared
+        return stacks, _Group(forms, shared, frozen_count, group[0][0].hp)
 
-    def _begin(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, dict]:
+    def _begin(self, group, global_P: torch.Tensor, B: int, device) -> tuple[dict, _Group]:
         """The rule's hooks per client, as train_client calls them (the model holds global_P, in
         training mode: SCAFFOLD option I's start gradient normalises with batch statistics), then
         the group's stacks (``_start_stacks``)."""
-        rule, layout, tc = self.rule, self.layout, self.cfg.train
+        rule, layout, tc = self.rule, self.layout, self.training.train
         layout.unflatten_into(global_P, self.model)
         self.model.train()
         if self.dropouts and self.drop_shapes is None:
@@ -811,23 +669,22 @@ class BatchedTrainer:
         """Train the clients of ``group`` ((ctx, data, seed, work, out) each, ``out`` the
         client's report views as in ``train_client``) side by side and write their reports."""
         t_start = time.perf_counter()
-        cfg, tc, rule, needs = self.cfg, self.cfg.train, self.rule, self.needs
+        training, tc, rule, needs = self.training, self.training.train, self.rule, self.needs
         ctx0 = group[0][0]
         device, global_P, B = ctx0.global_P.device, ctx0.global_P, len(group)
-        schedules = [Schedule(data, tc, cfg.data.augment, ctx.round_idx, seed, work, device)
+        schedules = [Schedule(data, tc, training.augment, ctx.round_idx, seed, work, device)
                      for ctx, data, seed, work, out in group]
         steps_B = [s.steps for s in schedules]
         # without augmentation every step's batches are one gather from the group's samples, by
         # an index built once for the group (augmentation draws per client and step)
         # (named for the profiler: bench/step_ops.py counts its host-side work apart from the steps')
         with torch.profiler.record_function("fedddp::group_batches"):
-            indexed = None if cfg.data.augment else _GroupBatches(group, schedules, device)
+            indexed = None if training.augment else _GroupBatches(group, schedules, device)
 
-        stacks, shared = self._begin(group, global_P, B, device)
+        stacks, self.group = self._begin(group, global_P, B, device)
         with torch.profiler.record_function("fedddp::group_batches"):
             group_drops = self._group_dropout_masks(indexed, schedules, device) \
                 if indexed is not None and self.dropouts else None
-        self.shared, self.hp = shared, ctx0.hp
         optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
         # each client's loss summed over its steps in float64 (train_client's sum), a row of the
         # stacks so it leaves with the client: one add a step
@@ -850,15 +707,15 @@ class BatchedTrainer:
             else:
                 drops = self._dropout_masks([(s.seed, step) for s in live_schedules], sizes, x.shape[1], device)
             lr_L = [s.lr(step) for s in live_schedules]
-            self.parts, self.full = self._width_parts(sizes, device), len(set(sizes)) == 1
+            shape = _Shape(self._width_parts(sizes, device), len(set(sizes)) == 1)
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
             with local:  # train.precision, as train_client's steps
-                grads_T, loss_L, stats = self._gradients(stacks, x, y, mask, count, drops)
-                step_view = _Step(self, stacks, shared, grads_T, (x, y, mask, count, drops), ctx0.hp)
+                grads_T, loss_L, stats = self._gradients(stacks, (x, y, mask, count, drops), shape)
+                step_view = _Step(self, stacks, self.group, grads_T, (x, y, mask, count, drops), shape)
                 direction_T = list(rule.direction(step_view))
             stacks["loss_sum"][0].add_(loss_L.detach())  # in float64, as .double() then add
-            replaced |= step_view.keep(stacks, shared)
+            replaced |= step_view.keep(stacks, self.group.shared)
             if stats:  # the step's one update of the running statistics (extra passes leave them)
                 stacks["buffers"] = self._update_running_stats(stacks["buffers"], stats)
             done = [j for j, b in enumerate(live) if steps_B[b] == step + 1]
@@ -870,7 +727,7 @@ class BatchedTrainer:
                 rows = torch.tensor(done, device=device)
                 loss_sum_B.index_copy_(0, torch.tensor([live[j] for j in done], device=device),
                                        stacks["loss_sum"][0].index_select(0, rows))
-                stacks, live = self._leave(group, stacks, live, done, replaced)
+                stacks, live = self._leave(group, stacks, live, done, replaced, self.group.forms)
 
         # -- the rest of each report, as train_client writes it --------------------------------
         seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
@@ -885,17 +742,18 @@ class BatchedTrainer:
             finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), loss_sums[b], out)
             out["train_time"] = seconds
 
-    def _leave(self, group, stacks: dict, live: list[int], done: list[int], replaced: set[str]):
+    def _leave(self, group, stacks: dict, live: list[int], done: list[int], replaced: set[str], forms: dict):
         """The clients ``done`` (rows of the stacks) that have taken their steps leave the stacks
         with their parameters and state as they are (never stepped again, not even with a zero
         gradient): parameters into their report rows, the scratch entries the direction replaced
-        back into their ctx.scratch. Returns the remaining stacks and live clients."""
+        back into their ctx.scratch (in their ``forms``). Returns the remaining stacks and live
+        clients."""
         for j, params_P in zip(done, self._flat_BP(stacks["params"], done, stacks["buffers"])):
             ctx, *_, out = group[live[j]]
             out["params_P"].copy_(params_P)
             for name in replaced:  # FedSMOO's dual, which its end hook reads
                 leaves = [t[j].clone() for t in stacks[("scratch", name)]]
-                ctx.scratch[name] = leaves if self.forms[name] == "list" else leaves[0]
+                ctx.scratch[name] = leaves if forms[name] == "list" else leaves[0]
         keep = [j for j in range(len(live)) if j not in done]
         index = torch.tensor(keep, dtype=torch.long, device=stacks["params"][0].device)
         stacks = {key: [t.index_select(0, index) for t in value] for key, value in stacks.items()}

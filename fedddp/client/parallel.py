@@ -42,7 +42,7 @@ import torch
 from .. import strategies
 from ..data import ClientData, LazyClients
 from ..errors import ConfigError
-from . import ClientContext, train_client
+from . import ClientContext, LocalTraining, train_client
 from . import batched
 from . import rules
 
@@ -177,7 +177,8 @@ def _cuda_choice(cfg, comm, model, layout, data, ids, task) -> tuple[int, str]:
     if not sizes:
         return 1, "no client has samples"
     try:
-        probe = batched.BatchedTrainer(model, layout, trial, rules.LocalRule(), strategies.ALWAYS, task)
+        probe = batched.BatchedTrainer(model, layout, LocalTraining.of(trial, 2), rules.LocalRule(), strategies.ALWAYS,
+                                       task)
         probe.try_first_client(data.train, data.num_samples, ids)
         largest = data.train[max(sizes, key=sizes.get)]
         per_client, group = cuda_footprint(model, layout, trial, task, largest, comm.device)
@@ -214,7 +215,8 @@ def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[
     probe_cfg = replace(cfg, train=replace(cfg.train, local_steps=1), run=replace(cfg.run, compile=False))
     probe_model = copy.deepcopy(model)
     global_P = layout.flatten(probe_model).clone()
-    trainer = batched.BatchedTrainer(probe_model, layout, probe_cfg, rules.LocalRule(), strategies.ALWAYS, task)
+    trainer = batched.BatchedTrainer(probe_model, layout, LocalTraining.of(probe_cfg), rules.LocalRule(),
+                                     strategies.ALWAYS, task)
     peaks = []
     with torch.random.fork_rng(devices=[device]):
         for size in (1, 2):
@@ -250,13 +252,14 @@ def measure_cpu(model, layout, cfg, task, clients: list[ClientData], global_P,
     cfgs = {k: replace(cfg, train=replace(cfg.train, local_steps=k), run=replace(cfg.run, compile=False))
             for k in PROBE_STEPS}
     side_clients = clients[:PROBE_CLIENTS]
-    trainers = {k: batched.BatchedTrainer(probe_model, layout, cfgs[k], plain, needs, task) for k in PROBE_STEPS}
+    trainings = {k: LocalTraining.of(cfgs[k]) for k in PROBE_STEPS}
+    trainers = {k: batched.BatchedTrainer(probe_model, layout, trainings[k], plain, needs, task) for k in PROBE_STEPS}
 
     def one_after_another(k: int, d: ClientData) -> float:
         layout.unflatten_into(global_P, probe_model)
         ctx = ClientContext(0, 1, global_P, layout, cfg.algorithm, task=task)
         start = time.perf_counter()
-        train_client(probe_model, ctx, d, cfgs[k], plain, needs, 0, {"params_P": torch.empty_like(global_P)})
+        train_client(probe_model, ctx, d, trainings[k], plain, needs, 0, {"params_P": torch.empty_like(global_P)})
         return time.perf_counter() - start
 
     def side_by_side(k: int, group: list[ClientData]) -> float:
