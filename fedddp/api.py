@@ -20,6 +20,7 @@ from . import checks, config as config_module, env, tasks
 from .algorithms import build_model
 from .data import build
 from .outdir import check_out_dir
+from .client import LocalTraining
 from .prepare import refuse_before_round_one, trainer_to_check
 from .resume import refuse_before_data
 from .comm import Comm
@@ -150,6 +151,7 @@ def check(path, overrides: list[str], data: bool = True) -> config_module.Config
     if data:
         built = build(cfg, cfg.data.seed, range(cfg.data.num_clients))
         model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it
-        trainer = trainer_to_check(cfg, model, tasks.get(built.task))
+        training = LocalTraining.of(cfg, cfg.run.asked_parallel_clients())
+        trainer = trainer_to_check(training, cfg.model.flat_buffers, model, tasks.get(built.task))
         refuse_before_round_one(trainer, built, range(cfg.data.num_clients), cfg.data)
     return cfg

@@ -46,7 +46,7 @@ def validate(cfg: config.Config) -> list[str]:
     # algorithm" that is only not imported) follows from that failure and would mislead
     failed = {e.split(":", 1)[0] for e in errors}
     rest = (config.check_fields(cfg) + algorithms.check_algorithm(cfg) + participation.check(cfg.run, cfg.train)
-            + batched.check(cfg) + asynchrony.check(cfg.run, cfg.data, cfg.algorithm))
+            + batched.check(cfg.run.parallel_clients, cfg.algorithm, cfg.train, cfg.model) + asynchrony.check(cfg.run, cfg.data, cfg.algorithm))
     return errors + [e for e in rest if e.split(":", 1)[0] not in failed]
 
 

@@ -200,15 +200,13 @@ def rules_of(algorithm) -> tuple[strategies.Strategy, local_rules.LocalRule, fro
     return strategy, local_rules.get(local_name), strategies.ALWAYS | strategy.needs_for(algorithm)
 
 
-def trainer_to_check(cfg: config.Config, model, task: tasks.Task) -> OneAfterAnother | SideBySide:
+def trainer_to_check(training: LocalTraining, flat_buffers: bool, model, task: tasks.Task) -> OneAfterAnother | SideBySide:
     """``python -m fedddp --check``'s trainer, built as the run's setup builds its own
-    (``rules_of``, ``trainer_of``) before the run resolves run.parallel_clients: B as configured,
-    1 for auto (the setup chooses 1 wherever side by side would be refused, client/parallel.py,
-    so auto adds no refusal)."""
-    _, rule, needs = rules_of(cfg.algorithm)
-    clients = 1 if cfg.run.parallel_clients == parallel.AUTO else cfg.run.parallel_clients
-    layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
-    return trainer_of(model, layout, LocalTraining.of(cfg, clients), rule, needs, task)
+    (``rules_of``, ``trainer_of``) before the run resolves run.parallel_clients: ``training``
+    with B as configured, 1 for auto (``RunConfig.asked_parallel_clients``: the setup chooses 1
+    wherever side by side would be refused, client/parallel.py, so auto adds no refusal)."""
+    _, rule, needs = rules_of(training.hp)
+    return trainer_of(model, FlatLayout(model, buffers=flat_buffers), training, rule, needs, task)
 
 
 def refuse_before_round_one(trainer: OneAfterAnother | SideBySide, data, ids, dc: config.DataConfig) -> list[float]:
@@ -277,6 +275,6 @@ def _side_by_side_on_cpu(run: Run, comm) -> str:
     rounds = f"round {first}" if last == first else f"rounds {first}-{last}"
     if not timed:
         return f"side by side not measured (rank 0 trains no client in {rounds})"
-    timings = parallel.measure_cpu(run.model, run.layout, cfg, run.task, [run.data.train[c] for c in timed],
-                                   run.global_P)
+    timings = parallel.measure_cpu(run.model, run.layout, LocalTraining.of(cfg), run.task,
+                                   [run.data.train[c] for c in timed], run.global_P)
     return parallel.cpu_verdict(timings, groups, rounds)[1]

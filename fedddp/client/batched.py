@@ -95,9 +95,9 @@ from .masked import Batch, masked_twin
 SPLIT_DEVICES = ("cpu",)
 
 
-def check(cfg) -> list[str]:
-    """Configuration errors of run.parallel_clients: each names what is not batched and the fix."""
-    size = cfg.run.parallel_clients
+def check(size, hp, tc, mc) -> list[str]:
+    """Configuration errors of run.parallel_clients (``size``) with the algorithm, train and model
+    sections: each names what is not batched and the fix."""
     if size == "auto":  # resolved when the run starts (client/parallel.py): 1 where side by side cannot run
         return []
     if size < 1:
@@ -105,7 +105,7 @@ def check(cfg) -> list[str]:
     if size == 1:
         return []
     try:
-        local = resolve(cfg.algorithm)[0]
+        local = resolve(hp)[0]
     except Exception:  # noqa: BLE001 - an unknown algorithm is reported by its own check
         return []
     fix = "; set run.parallel_clients=1"
@@ -114,11 +114,11 @@ def check(cfg) -> list[str]:
         errors.append(f"run.parallel_clients: the local rule {local} overrides gradient(), which trains one "
                       "client at a time; to run side by side, write its step as direction(step) (and loss(net, "
                       f"x, y, hp) if it changes the objective) instead (docs/extending.md, \"Local rules\"){fix}")
-    if cfg.train.optimizer not in OPTIMIZERS:
-        errors.append(f"run.parallel_clients: train.optimizer = {cfg.train.optimizer} is not batched "
+    if tc.optimizer not in OPTIMIZERS:
+        errors.append(f"run.parallel_clients: train.optimizer = {tc.optimizer} is not batched "
                       f"(batched: {', '.join(OPTIMIZERS)}){fix}")
-    if cfg.model.name in WITH_BATCH_NORM and not cfg.model.flat_buffers:
-        errors.append(_FLAT_BUFFERS_ERROR.format(cfg.model.name))
+    if mc.name in WITH_BATCH_NORM and not mc.flat_buffers:
+        errors.append(_FLAT_BUFFERS_ERROR.format(mc.name))
     return errors
 
 

@@ -170,7 +170,7 @@ def _mode(b: int) -> str:
 def _cuda_choice(cfg, comm, model, layout, data, ids, task) -> tuple[int, str]:
     """This rank's B on CUDA and why; 1 where side by side cannot run or the probe fails."""
     trial = replace(cfg, run=replace(cfg.run, parallel_clients=2))
-    reasons = batched.check(trial)
+    reasons = batched.check(2, cfg.algorithm, cfg.train, cfg.model)
     if reasons:
         return 1, _why(reasons[0])
     sizes = {c: data.num_samples[c] for c in ids if data.num_samples[c]}
@@ -181,7 +181,7 @@ def _cuda_choice(cfg, comm, model, layout, data, ids, task) -> tuple[int, str]:
                                        task)
         probe.try_first_client(data.train, data.num_samples, ids)
         largest = data.train[max(sizes, key=sizes.get)]
-        per_client, group = cuda_footprint(model, layout, trial, task, largest, comm.device)
+        per_client, group = cuda_footprint(model, layout, LocalTraining.of(trial, 2), task, largest, comm.device)
     except ConfigError as exc:
         return 1, _why(str(exc))
     except torch.cuda.OutOfMemoryError:
@@ -209,13 +209,18 @@ def _pending_data_bytes(data, sample: ClientData) -> int:
     return (sum(data.num_samples) + sum(data.num_held_out)) * per_sample
 
 
-def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[int, int]:
+def _probe(training: LocalTraining, steps: int) -> LocalTraining:
+    """``training`` for a probe: ``steps`` local steps, eager (run.compile would time its
+    compilation), groups unpadded."""
+    return replace(training, train=replace(training.train, local_steps=steps), compile=False, clients=1)
+
+
+def cuda_footprint(model, layout, training: LocalTraining, task, data: ClientData, device) -> tuple[int, int]:
     """(bytes a client adds side by side, bytes of a group of one): the peak memory of one step
     of groups of one and of two copies of ``data``'s client, trained on a copy of the model."""
-    probe_cfg = replace(cfg, train=replace(cfg.train, local_steps=1), run=replace(cfg.run, compile=False))
     probe_model = copy.deepcopy(model)
     global_P = layout.flatten(probe_model).clone()
-    trainer = batched.BatchedTrainer(probe_model, layout, LocalTraining.of(probe_cfg), rules.LocalRule(),
+    trainer = batched.BatchedTrainer(probe_model, layout, _probe(training, 1), rules.LocalRule(),
                                      strategies.ALWAYS, task)
     peaks = []
     with torch.random.fork_rng(devices=[device]):
@@ -223,7 +228,7 @@ def cuda_footprint(model, layout, cfg, task, data: ClientData, device) -> tuple[
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            trainer.train_group(_group(global_P, layout, cfg.algorithm, task, [data] * size))
+            trainer.train_group(_group(global_P, layout, training.hp, task, [data] * size))
             torch.cuda.synchronize(device)
             peaks.append(torch.cuda.max_memory_allocated(device) - base)
     del trainer, probe_model
@@ -240,7 +245,7 @@ def _group(global_P, layout, hp, task, clients: list[ClientData]) -> list[tuple]
              {"params_P": torch.empty_like(global_P)}) for i, d in enumerate(clients)]
 
 
-def measure_cpu(model, layout, cfg, task, clients: list[ClientData], global_P,
+def measure_cpu(model, layout, training: LocalTraining, task, clients: list[ClientData], global_P,
                 budget_s: float = PROBE_BUDGET_S) -> Timings:
     """Time ``clients`` (a group's, with samples) one after another and side by side on copies
     of the model, with the plain rule and the run's optimizer, at 1 and 3 local steps; the
@@ -248,23 +253,20 @@ def measure_cpu(model, layout, cfg, task, clients: list[ClientData], global_P,
     once ``budget_s`` is spent (after one warm-up and one timed repeat)."""
     plain, needs = rules.LocalRule(), strategies.ALWAYS
     probe_model = copy.deepcopy(model)
-    # the probes run eagerly (run.compile would time its compilation, and say so)
-    cfgs = {k: replace(cfg, train=replace(cfg.train, local_steps=k), run=replace(cfg.run, compile=False))
-            for k in PROBE_STEPS}
     side_clients = clients[:PROBE_CLIENTS]
-    trainings = {k: LocalTraining.of(cfgs[k]) for k in PROBE_STEPS}
+    trainings = {k: _probe(training, k) for k in PROBE_STEPS}
     trainers = {k: batched.BatchedTrainer(probe_model, layout, trainings[k], plain, needs, task) for k in PROBE_STEPS}
 
     def one_after_another(k: int, d: ClientData) -> float:
         layout.unflatten_into(global_P, probe_model)
-        ctx = ClientContext(0, 1, global_P, layout, cfg.algorithm, task=task)
+        ctx = ClientContext(0, 1, global_P, layout, training.hp, task=task)
         start = time.perf_counter()
         train_client(probe_model, ctx, d, trainings[k], plain, needs, 0, {"params_P": torch.empty_like(global_P)})
         return time.perf_counter() - start
 
     def side_by_side(k: int, group: list[ClientData]) -> float:
         start = time.perf_counter()
-        trainers[k].train_group(_group(global_P, layout, cfg.algorithm, task, group))
+        trainers[k].train_group(_group(global_P, layout, training.hp, task, group))
         return time.perf_counter() - start
 
     probes = {("one", k): (lambda k=k: statistics.median(one_after_another(k, d)
