@@ -206,19 +206,19 @@ def resolved(hp):
     return dataclasses.replace(hp, params=params_of(hp.params, hp.name, *resolve(hp)))
 
 
-def check_model(cfg, net, task: str) -> list[str]:
-    """What the run's rules need of the built model (never its name): the server rule's report
-    fields (effective ranks need a conv layer to weigh), then the local rule's own check
-    (LocalRule.check_model)."""
-    local, server = resolve(cfg.algorithm)
+def check_model(algorithm, model_name: str, net, task: str) -> list[str]:
+    """What the rules of the algorithm section need of the built model (never its name, which
+    only the lines say): the server rule's report fields (effective ranks need a conv layer to
+    weigh), then the local rule's own check (LocalRule.check_model)."""
+    local, server = resolve(algorithm)
     errors = []
-    what = f"model.name = {cfg.model.name}"
-    hp = resolved(cfg.algorithm)
+    what = f"model.name = {model_name}"
+    hp = resolved(algorithm)
     if strategies.SERVER_RULES[server].needs_for(hp) & {"eff_rank_KL"} and \
             not any(isinstance(m, nn.Conv2d) for m in net.modules()):
         errors.append(f"model.name: {server} weighs conv layers by effective rank; {what} has no "
                       "torch.nn.Conv2d layer (use cnn, resnet18 or a model with one)")
-    errors += list(rules.RULES[local].check_model(cfg, net, task, hp.params))
+    errors += list(rules.RULES[local].check_model(net, task, hp.params, model_name))
     return errors
 
 
@@ -256,7 +256,7 @@ def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> 
     # what the round loop passes)
     task = task or tasks.of_data(cfg.data.name) or "classification"
     net = models.build(cfg.model.name, input_shape, num_classes, task, cfg.model.hidden)
-    errors = check_model(cfg, net, task) + check_output(cfg.model.name, net, tuple(input_shape), num_classes, task)
+    errors = check_model(cfg.algorithm, cfg.model.name, net, task) + check_output(cfg.model.name, net, tuple(input_shape), num_classes, task)
     if errors:
         raise ConfigError("; ".join(errors))
     # the local rule's own parts (MOON's projection head), after the checks above passed

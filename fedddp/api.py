@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import checks, config as config_module, env, tasks
+from . import checkpoint, checks, config as config_module, env, tasks
 from .algorithms import build_model
 from .data import build
 from .outdir import check_out_dir
@@ -147,7 +147,7 @@ def check(path, overrides: list[str], data: bool = True) -> config_module.Config
     to the run's setup is made here too."""
     cfg = checks.load(path, overrides)
     check_out_dir(cfg.run.out_dir)
-    refuse_before_data(cfg)
+    refuse_before_data(cfg.run, checkpoint.identity(cfg))
     if data:
         built = build(cfg, cfg.data.seed, range(cfg.data.num_clients))
         model = build_model(cfg, built.input_shape, built.num_classes, built.task)  # what the rules need of it

@@ -91,7 +91,7 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     balanced = cfg.data.name not in BUILT_WHOLE
     owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
     ids = range(cfg.data.num_clients) if balanced else owned
-    data = _load_data(cfg, comm, ids)
+    data = _load_data(lambda: build_data(cfg, cfg.data.seed, ids), comm)
 
     # the model and flat vectors: the seeded init is identical on every rank
     torch.manual_seed(rc.seed)
@@ -134,12 +134,12 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     return run
 
 
-def _load_data(cfg: config.Config, comm, ids: range):
-    """The clients this rank may train (a client's tensors are made when it first trains), on the
-    run's device; a rank that cannot load its data ends every rank."""
+def _load_data(load, comm):
+    """The clients this rank may train, from ``load()`` (a client's tensors are made when it
+    first trains), on the run's device; a rank that cannot load its data ends every rank."""
     error = None
     try:
-        data = build_data(cfg, cfg.data.seed, ids)
+        data = load()
     except DataError as exc:
         error = exc
     agree_on_failure(comm, error)

@@ -24,20 +24,21 @@ class Resume:
     kept: dict[str, list[str]]
 
 
-def refuse_before_data(cfg: config.Config) -> Resume | None:
+def refuse_before_data(rc: config.RunConfig, identity: dict) -> Resume | None:
     """Rank 0's refusals before any data loads, reading and changing nothing: the run makes them
     with run.out_dir locked, ``python -m fedddp --check`` (fedddp.__main__.check) before any rank
     starts, so it exits with the status the run would. No TensorBoard for run.tensorboard; a fresh
     run into a folder holding results without run.overwrite; a resume whose round folders are all
     incomplete though some save finished (damaged, not interrupted), whose newest complete
     checkpoint is of another run or past run.rounds, or whose metrics files have a damaged line.
-    A resume's choice (for ``start``); None for a fresh run."""
-    if cfg.run.tensorboard:
+    ``identity``: the run's (checkpoint.identity), which a checkpoint it resumes must hold. A
+    resume's choice (for ``start``); None for a fresh run."""
+    if rc.tensorboard:
         logs.require_tensorboard()
-    if not cfg.run.resume:
-        outdir.refuse_fresh_run(cfg.run.out_dir, cfg.run.overwrite)
+    if not rc.resume:
+        outdir.refuse_fresh_run(rc.out_dir, rc.overwrite)
         return None
-    ckpt_root = os.path.join(cfg.run.out_dir, "checkpoints")
+    ckpt_root = os.path.join(rc.out_dir, "checkpoints")
     folder, manifest, skipped = checkpoint.newest_complete(ckpt_root)
     if folder is None:
         if skipped and any(os.path.exists(os.path.join(f, checkpoint.MANIFEST))
@@ -46,15 +47,15 @@ def refuse_before_data(cfg: config.Config) -> Resume | None:
                             f"complete ({'; '.join(skipped)}); nothing to resume: start over with "
                             "run.resume=false run.overwrite=true")
         return Resume(None, None, skipped, {})
-    changes = checkpoint.identity_changes(manifest["identity"], checkpoint.identity(cfg))
+    changes = checkpoint.identity_changes(manifest["identity"], identity)
     if changes:
         raise ConfigError(f"run.resume: the checkpoint {folder} is of another run: {'; '.join(changes)}; "
                           "resume with its values, or start a new run in another run.out_dir")
-    if manifest["round"] > cfg.run.rounds:
-        raise ConfigError(f"run.rounds: {cfg.run.rounds} is below the round of the checkpoint {folder} "
+    if manifest["round"] > rc.rounds:
+        raise ConfigError(f"run.rounds: {rc.rounds} is below the round of the checkpoint {folder} "
                           f"({manifest['round']}); set run.rounds >= {manifest['round']} to continue it")
     # a damaged row is one line (exit 3) here, before any data loads
-    return Resume(folder, manifest, skipped, logs.kept_rows(cfg.run.out_dir, manifest["round"]))
+    return Resume(folder, manifest, skipped, logs.kept_rows(rc.out_dir, manifest["round"]))
 
 
 def start(rc: config.RunConfig, resume: Resume | None) -> int:

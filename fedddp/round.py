@@ -39,7 +39,7 @@ def run(cfg: config.Config, comm) -> dict:
     if comm.is_main:
         try:
             lock = outdir.open_out_dir(cfg.run.out_dir)
-            resume_round = start(cfg.run, refuse_before_data(cfg))
+            resume_round = start(cfg.run, refuse_before_data(cfg.run, checkpoint.identity(cfg)))
         except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is re-raised
             error = exc
     try:

@@ -145,6 +145,7 @@ def test_auto_on_cuda_decides_from_the_footprint_and_falls_back_to_one(monkeypat
 
     from fedddp import tasks
     from fedddp.algorithms import build_model
+    from fedddp.client import LocalTraining
     from fedddp.data import build
     from fedddp.flat import FlatLayout
 
@@ -158,8 +159,8 @@ def test_auto_on_cuda_decides_from_the_footprint_and_falls_back_to_one(monkeypat
         cfg = checks.load(None, BLOBS + overrides)
         data = build(cfg, cfg.data.seed, list(range(cfg.data.num_clients)))
         model = build_model(cfg, data.input_shape, data.num_classes, data.task)
-        return parallel._cuda_choice(cfg, comm, model, FlatLayout(model), data, range(cfg.data.num_clients),
-                                     tasks.get(data.task))
+        return parallel._cuda_choice(LocalTraining.of(cfg, 2), cfg.model, cfg.num_sampled(), comm, model,
+                                     FlatLayout(model), data, range(cfg.data.num_clients), tasks.get(data.task))
 
     b, why = choice([])
     assert b == 3 and "at most 3 clients a rank a round" in why  # 6 a round on 2 ranks

@@ -150,7 +150,8 @@ def resolve(cfg, comm, model, layout, data, ids, task, resumed: int | None = Non
         return 1, ("clients one after another (run.parallel_clients=auto: 1 on CPU, the reference; side by "
                    "side pays on CPU only for small models with even clients, docs/running.md)")
     try:
-        b, why = _cuda_choice(cfg, comm, model, layout, data, ids, task)
+        b, why = _cuda_choice(LocalTraining.of(cfg, 2), cfg.model, cfg.num_sampled(), comm, model, layout, data,
+                              ids, task)
     except Exception as exc:  # noqa: BLE001 - an optional probe: the other ranks wait at the all-reduce
         first = (str(exc).splitlines() or [""])[0]
         b, why = 1, f"the side-by-side probe failed: {type(exc).__name__}: {first}"
@@ -167,21 +168,21 @@ def _mode(b: int) -> str:
     return "one after another" if b == 1 else f"up to {b} side by side"
 
 
-def _cuda_choice(cfg, comm, model, layout, data, ids, task) -> tuple[int, str]:
-    """This rank's B on CUDA and why; 1 where side by side cannot run or the probe fails."""
-    trial = replace(cfg, run=replace(cfg.run, parallel_clients=2))
-    reasons = batched.check(2, cfg.algorithm, cfg.train, cfg.model)
+def _cuda_choice(training: LocalTraining, mc, num_sampled: int, comm, model, layout, data, ids,
+                 task) -> tuple[int, str]:
+    """This rank's B on CUDA and why (``training`` at B = 2, ``mc`` the model section,
+    ``num_sampled`` K); 1 where side by side cannot run or the probe fails."""
+    reasons = batched.check(2, training.hp, training.train, mc)
     if reasons:
         return 1, _why(reasons[0])
     sizes = {c: data.num_samples[c] for c in ids if data.num_samples[c]}
     if not sizes:
         return 1, "no client has samples"
     try:
-        probe = batched.BatchedTrainer(model, layout, LocalTraining.of(trial, 2), rules.LocalRule(), strategies.ALWAYS,
-                                       task)
+        probe = batched.BatchedTrainer(model, layout, training, rules.LocalRule(), strategies.ALWAYS, task)
         probe.try_first_client(data.train, data.num_samples, ids)
         largest = data.train[max(sizes, key=sizes.get)]
-        per_client, group = cuda_footprint(model, layout, LocalTraining.of(trial, 2), task, largest, comm.device)
+        per_client, group = cuda_footprint(model, layout, training, task, largest, comm.device)
     except ConfigError as exc:
         return 1, _why(str(exc))
     except torch.cuda.OutOfMemoryError:
@@ -190,7 +191,7 @@ def _cuda_choice(cfg, comm, model, layout, data, ids, task) -> tuple[int, str]:
     per_client += EXTRA_COPIES * layout.numel * 4
     free, _ = torch.cuda.mem_get_info(comm.device)
     pending = _pending_data_bytes(data, largest) if isinstance(data.train, LazyClients) else 0
-    cap = clients_per_rank(cfg.num_sampled(), comm.world_size)
+    cap = clients_per_rank(num_sampled, comm.world_size)
     b = batch_from_memory(free, per_client, group + pending, cap)
     gib = 2.0 ** 30
     return b, (f"{per_client / gib:.2f} GiB a client, {free / gib:.1f} GiB free, at most {cap} clients a rank "

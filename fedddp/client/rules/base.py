@@ -264,9 +264,10 @@ class LocalRule:
         return []
 
     @classmethod
-    def check_model(cls, cfg, net, task: str, params: dict) -> list[str]:
-        """One error line per thing this rule needs of the built model ``net`` for ``task`` and
-        does not find (MOON: a split into features and head)."""
+    def check_model(cls, net, task: str, params: dict, model_name: str) -> list[str]:
+        """One error line per thing this rule needs of the built model ``net`` (model.name =
+        ``model_name``, for the lines) for ``task`` and does not find (MOON: a split into
+        features and head)."""
         return []
 
     @classmethod

@@ -49,14 +49,14 @@ class Moon(LocalRule):
         return []
 
     @classmethod
-    def check_model(cls, cfg, net, task: str, params: dict) -> list[str]:
+    def check_model(cls, net, task: str, params: dict, model_name: str) -> list[str]:
         """A classifier run as head(features(x)), and a Linear head where the projection head goes."""
-        errors, what = [], f"model.name = {cfg.model.name}"
+        errors, what = [], f"model.name = {model_name}"
         if task != "classification":
             # MOON's projection head sits between the features and a classifier, and its
             # contrastive term is part of a cross-entropy objective: neither exists for a regressor.
-            errors.append(f"algorithm.local: MOON is defined for classification; data.name = "
-                          f"{cfg.data.name} is a {task} task (choose another algorithm.name or algorithm.local)")
+            errors.append(f"algorithm.local: MOON is defined for classification; the data are a {task} task "
+                          "(choose another algorithm.name or algorithm.local)")
         missing = [a for a in ("features", "head") if not isinstance(getattr(net, a, None), nn.Module)]
         if missing:
             errors.append(f"model.name: MOON compares representations, so the model must be head(features(x)) "
