@@ -305,7 +305,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    name: str = opt("fedavg", "Federated algorithm (see docs/algorithms.md), or module:attr, your server "
+    name: str = opt(registry.DEFAULT_ALGORITHM, "Federated algorithm (see docs/algorithms.md), or module:attr, your server "
                               "rule (docs/extending.md).")
     local: str = opt("auto", "Client-side local rule; auto: the one algorithm.name implies. Another rule "
                              "composes with the name's server rule, e.g. name = fedgma with local = prox, "
@@ -338,16 +338,7 @@ class AlgorithmConfig:
 # ignored when that rule does not run. Checkpoint identities and config.toml files written with
 # them translate the same way (fedddp.checkpoint.identity_changes). The declarations themselves
 # (defaults, docs, checks) are the rules' (tests/test_config.py holds the two in step).
-ALIASES: dict[str, tuple[str, ...]] = {
-    "server_momentum": ("fedmom", "dpfedmom"), "cong_alpha": ("fedcong",),
-    "gma_threshold": ("fedgma",), "gma_grad": ("fedgma",), "gma_mask": ("fedgma",),
-    "cgw_alpha": ("cgw",), "feder_unfold": ("feder",),
-    "dp_clip": ("dpfedavg", "dpfedmom"), "dp_noise": ("dpfedavg", "dpfedmom"), "dp_delta": ("dpfedavg", "dpfedmom"),
-    "prox_mu": ("prox",), "scaffold_control": ("scaffold",),
-    "moon_mu": ("moon",), "moon_tau": ("moon",), "moon_proj_dim": ("moon",),
-    "sam_rho": ("sam", "smoo", "fedsmoo"), "gam_rho": ("gam", "gam_cv"), "gam_alpha": ("gam", "gam_cv"),
-    "smoo_lambda": ("smoo",),
-}
+ALIASES = registry.ALIASES
 
 
 # What a key meant before fedddp had it: a checkpoint whose run identity does not name the key was

@@ -146,3 +146,20 @@ def builds(name: str) -> Callable[[Callable], Callable]:
         DATA_SETS[name] = fn
         return fn
     return register
+
+
+# algorithm.name when a config names none
+DEFAULT_ALGORITHM = "fedavg"
+
+# The old flat keys of the rules' parameters (algorithm.NAME) and the rules that read each: the
+# config translates them into the rules' tables (fedddp.config.ALIASES, and its comment says how).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "server_momentum": ("fedmom", "dpfedmom"), "cong_alpha": ("fedcong",),
+    "gma_threshold": ("fedgma",), "gma_grad": ("fedgma",), "gma_mask": ("fedgma",),
+    "cgw_alpha": ("cgw",), "feder_unfold": ("feder",),
+    "dp_clip": ("dpfedavg", "dpfedmom"), "dp_noise": ("dpfedavg", "dpfedmom"), "dp_delta": ("dpfedavg", "dpfedmom"),
+    "prox_mu": ("prox",), "scaffold_control": ("scaffold",),
+    "moon_mu": ("moon",), "moon_tau": ("moon",), "moon_proj_dim": ("moon",),
+    "sam_rho": ("sam", "smoo", "fedsmoo"), "gam_rho": ("gam", "gam_cv"), "gam_alpha": ("gam", "gam_cv"),
+    "smoo_lambda": ("smoo",),
+}

@@ -23,12 +23,9 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Where a rule's name belongs: the registry, the rules' own files.
 RULE_HOMES = ("registry.py", "strategies/", "client/rules/", "client/clip.py")
-# Core modules that may still name a rule, each with its reason.
-ALLOWED = {
-    # the flat keys of before each rule declared its own parameters (ALIASES: cong_alpha -> the
-    # fedcong table), kept for old files and checkpoints, and algorithm.name's default
-    "config.py": "ALIASES and algorithm.name's default",
-}
+# Core modules that may still name a rule, each with its reason: none (the old flat keys' table
+# and algorithm.name's default are the registry's).
+ALLOWED: dict[str, str] = {}
 
 
 def built_in_names() -> set[str]:
