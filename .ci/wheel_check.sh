@@ -99,8 +99,9 @@ print(f"wheel_check: fedddp imported from {os.path.dirname(fedddp.__file__)}")
 EOF
 
 # The probe may choose torch ops for a rule on some CPUs; FEDDDP_KERNELS=c takes the C kernels
-# wherever they build, so the line checks the install, not this CPU.
-FEDDDP_KERNELS=c "$venv_python" -m fedddp "$repo/configs/quickstart.toml" run.rounds=1 \
+# wherever they build, so the line checks the install, not this CPU; --verbose: the start line's
+# long form names the aggregation's form.
+FEDDDP_KERNELS=c "$venv_python" -m fedddp --verbose "$repo/configs/quickstart.toml" run.rounds=1 \
     "run.out_dir=$run/quickstart" >"$work/run.out" 2>"$work/run.err"
 status=$?
 line=$(grep -m 1 "aggregation:" "$work/run.err")
