@@ -75,20 +75,8 @@ def test_sigterm_stops_the_ranks_with_one_line_and_143_and_resume_finishes(tmp_p
     from the last checkpoint to the end."""
     out = tmp_path / "out"
     args = [*QUIET, *SLOW, f"run.out_dir={out}"]
-    log = open(tmp_path / "launch.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "fedddp.launch", "--nproc", "2", QUICKSTART, *args],
-                            stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=launcher_env())
-    try:
-        wait_for_rounds(out, 3, proc, log)  # the checkpoint of round 2 is complete
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        status = proc.wait(timeout=60)
-        stopping = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log.seek(0)
-    text = log.read()
+    status, text, stopping = stopped_after_round_2([sys.executable, "-m", "fedddp.launch", "--nproc", "2",
+                                                    QUICKSTART, *args], out, signal.SIGTERM, launcher_env())
     assert status == 143, text[-4000:]
     done = len(metrics(out))
     assert 3 <= done < 10, f"stopped after round {done} of 10"
@@ -102,6 +90,24 @@ def test_sigterm_stops_the_ranks_with_one_line_and_143_and_resume_finishes(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert (out / "metrics.jsonl").read_text().splitlines()[:saved] == kept
     assert [m["round"] for m in metrics(out)] == list(range(1, 11)) and (out / "final.pt").exists()
+
+
+def stopped_after_round_2(cmd: list[str], out, signum: int, env=None) -> tuple[int, str, float]:
+    """``cmd``'s run sent ``signum`` once the checkpoint of round 2 is complete: (its exit
+    status, its stderr, the seconds it took to stop)."""
+    log = open(out.parent / "stopped.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
+    try:
+        wait_for_rounds(out, 3, proc, log)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        status = proc.wait(timeout=60)
+        stopping = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log.seek(0)
+    return status, log.read(), stopping
 
 
 def ranks_of(out) -> list[int]:
@@ -216,18 +222,8 @@ def test_ctrl_c_to_a_plain_run_says_how_to_continue(tmp_path):
     """``python -m fedddp`` without the launcher, interrupted (Ctrl-C) after a checkpoint: one line
     naming the round the same command with run.resume=true continues from, exit 130."""
     out = tmp_path / "out"
-    log = open(tmp_path / "run.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "fedddp", QUICKSTART, *QUIET, *SLOW, f"run.out_dir={out}"],
-                            stdout=subprocess.DEVNULL, stderr=log, cwd=REPO)
-    try:
-        wait_for_rounds(out, 3, proc, log)
-        proc.send_signal(signal.SIGINT)
-        status = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log.seek(0)
-    text = log.read()
+    status, text, _ = stopped_after_round_2([sys.executable, "-m", "fedddp", QUICKSTART, *QUIET, *SLOW,
+                                             f"run.out_dir={out}"], out, signal.SIGINT)
     saved = int((out / "checkpoints" / "LATEST").read_text().split("_")[1])
     assert status == 130 and text.strip().splitlines() == [
         f"fedddp: interrupted; the same command with run.resume=true continues from the checkpoint of round {saved}"], text
