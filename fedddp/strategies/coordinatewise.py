@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from . import kernels
 from .base import Span, Strategy, column_block, gathered, register, weighted_mean_P
 
 
@@ -72,15 +73,37 @@ def trimmed_mean_C(rows_KC: torch.Tensor, num_trim: int) -> torch.Tensor:
     return uniform_mean_C(torch.sort(rows_KC, dim=0).values[num_trim:num_rows - num_trim])
 
 
+def fused_sorted_mean(rule: str, params_KP: torch.Tensor, lo: int, hi: int, median: bool):
+    """The fused form's new range (kernels.sorted_mean: the C kernel on CPU, Triton on CUDA) where
+    the rule takes it and K fits its sort, else None: the torch ops. Every column is its own, so
+    the kernel on a span's columns gives the gathered form's bits for them."""
+    if params_KP.shape[0] > kernels.SORT_MAX_CLIENTS:
+        return None
+    lib = kernels.lib(params_KP, rule=rule)
+    return None if lib is None else kernels.sorted_mean(lib, params_KP, lo, hi, median)
+
+
 def _median_span(global_P, stacks, state, hp, span):
-    """Strategy.aggregate_span: each column's median, piece by piece (the sort: values + indices)."""
-    return by_columns(global_P, stacks["params_KP"], span, 3, median_C), state, {}
+    """Strategy.aggregate_span: each column's median, fused or piece by piece (the sort: values +
+    indices)."""
+    params_KP = stacks["params_KP"]
+    num_rows = params_KP.shape[0]
+    new_P = fused_sorted_mean("fedmedian", params_KP, (num_rows - 1) // 2, num_rows // 2 + 1, median=True)
+    if new_P is None:
+        new_P = by_columns(global_P, params_KP, span, 3, median_C)
+    return new_P.to(global_P.dtype), state, {}
 
 
 def _trimmed_span(global_P, stacks, state, hp, span):
-    num_trim = num_trimmed(hp.params["trim_beta"], stacks["params_KP"].shape[0])
-    new_P = by_columns(global_P, stacks["params_KP"], span, 4, lambda rows_KC: trimmed_mean_C(rows_KC, num_trim))
-    return new_P, state, {}
+    params_KP = stacks["params_KP"]
+    num_rows = params_KP.shape[0]
+    num_trim = num_trimmed(hp.params["trim_beta"], num_rows)
+    # nothing trimmed: uniform FedAvg's form and bits, whatever form this rule takes
+    new_P = (fused_sorted_mean("fedtrimmedavg", params_KP, num_trim, num_rows - num_trim, median=False)
+             if num_trim else None)
+    if new_P is None:
+        new_P = by_columns(global_P, params_KP, span, 4, lambda rows_KC: trimmed_mean_C(rows_KC, num_trim))
+    return new_P.to(global_P.dtype), state, {}
 
 
 def check_trim(params: dict) -> list[str]:
