@@ -28,7 +28,8 @@ FUSED = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9), "fedcong": hp_
          "fedcong_low_alpha": hp_of(cong_alpha=0.3),
          "fedgma": hp_of(gma_threshold=0.6, server_lr=0.5),
          "fedgma_soft_delta": hp_of(gma_threshold=0.6, server_lr=0.5, gma_mask="soft", gma_grad="delta"),
-         "feder": hp_of(), "cgw": hp_of(cgw_alpha=0.2)}
+         "feder": hp_of(), "cgw": hp_of(cgw_alpha=0.2),
+         "fedmedian": hp_of(), "fedtrimmedavg": hp_of(trim_beta=0.2)}
 
 needs_compiler = pytest.mark.skipif(kernels.lib(torch.zeros(1)) is None, reason="no working C compiler")
 
