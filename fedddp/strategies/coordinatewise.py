@@ -9,10 +9,15 @@ Flower's FedMedian and FedTrimmedAvg.
                   (beta = algorithm.params.trim_beta in [0, 0.5), 0.2 as Flower's)
 
 Both are unweighted, as in the paper and in Flower: algorithm.weighting only weights the reported
-train_loss. Each coordinate is a sort over the client axis (torch.sort along dim 0 of the [K, P]
-stack, a piece of columns at a time so that its [K, C] values and int64 indices stay about 1 MiB
-on CPU), then the fused uniform mean (C, Triton or torch ops: weighted_mean_P) of the rows kept.
-beta = 0 sorts nothing and is uniform FedAvg bit for bit. b takes floor with a 1e-9 slack
+train_loss. Each coordinate is a sort over the client axis. The fused form (kernels.sorted_mean:
+kernels.c's fd_sorted_mean on CPU, triton_kernels' _sorted_mean_kernel on CUDA, where the probe or
+FEDDDP_KERNELS chooses it and K <= kernels.SORT_MAX_CLIENTS) sorts and averages in one pass; the
+torch form is torch.sort along dim 0 of the [K, P] stack, a piece of columns at a time so that
+its [K, C] values and int64 indices stay about 1 MiB on CPU, then the fused uniform mean (C,
+Triton or torch ops: weighted_mean_P) of the rows kept. The kernels sum the kept values in order
+with the mean kernel's arithmetic (NaN sorted last, as torch.sort), so both forms give the same
+bits where FedAvg's form is the C kernel. beta = 0 sorts nothing and is uniform FedAvg bit for
+bit in either form. b takes floor with a 1e-9 slack
 (0.29 x 100 is 28.999999999999996: 29, where Flower's int() trims 28). No state, no server step
 (algorithm.server_lr is refused). Sharded: every coordinate is its own, so each rank runs the
 same on its columns. Legend: K clients that reported, P flat parameters, C columns of a piece,
