@@ -11,8 +11,9 @@ atomic (a temporary file renamed into place), so ranks or jobs racing on it are 
 
 Which form is faster depends on the CPU (vector width, memory system) and on torch's BLAS, so
 each rule's form is measured, not assumed: on first use a probe times both forms of every rule
-on a [16, 300007] stack (a fraction of a second in all) and keeps the faster (the kernel unless
-the torch ops win by more than 25%, see TORCH_MARGIN); the choice is cached beside the built
+on a [16, 300007] stack (about a second in all, most of it FedMedian's and FedTrimmedAvg's
+torch sorts) and keeps the faster (the kernel unless the torch ops win by more than 25%, see
+TORCH_MARGIN); the choice is cached beside the built
 library (same CPU hash) with the torch version it was measured against. FedMom, FedGMA and
 CGW take their kernel only where FedAvg does, so that their neutral settings keep giving
 FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c``,
