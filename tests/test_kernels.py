@@ -110,7 +110,7 @@ def test_without_a_compiler_the_rules_fall_back_to_torch_ops(tmp_path):
         "g, s = make_inputs(6, 700, seed=3)\n"
         "hp = hp_of(cong_alpha=0.5)\n"
         "out = [strategies.get(n).aggregate(g, s, strategies.get(n).init_state(g, hp), hp)[0]\n"
-        "       for n in ('fedcong', 'fedavg')]\n"
+        "       for n in ('fedcong', 'fedavg', 'fedmedian', 'fedtrimmedavg')]\n"
         "torch.save(out, sys.argv[1])\n" % os.path.dirname(os.path.abspath(__file__)))
     results = []
     for env in ({"CC": str(tmp_path / "no-such-cc"), "FEDDDP_CACHE": str(tmp_path / "cache")},

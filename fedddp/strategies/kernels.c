@@ -406,8 +406,8 @@ int fd_fedcong(const float *W, int64_t K, int64_t ld, int64_t P, const float *p,
 
 /* -- sorts over the client axis ------------------------------------------------------------ */
 
-/* Clients a column sort holds: LANES * SORT_MAX_CLIENTS floats on the stack (16 KiB at 16
- * lanes). More clients take the torch ops (kernels.SORT_MAX_CLIENTS, the same figure): the sort
+/* Clients a column sort holds: two [SORT_MAX_CLIENTS, LANES] float buffers on the stack
+ * (32 KiB at 16 lanes). More clients take the torch ops (kernels.SORT_MAX_CLIENTS, the same figure): the sort
  * below is K^2 / 2 compare-exchanges, against torch.sort's K log K: still 2.7x torch.sort's
  * speed at K = 256 on a 2-core AVX-512 machine, 7x at K = 100, 15x at K = 32. */
 #define SORT_MAX_CLIENTS 256
