@@ -56,7 +56,8 @@ from fedddp.strategies import kernels  # noqa: E402
 
 NAIVE_BUDGET = 4 * 2 ** 30
 HP = AlgorithmConfig(server_lr=1.0, params={"server_momentum": 0.9, "cong_alpha": 0.7, "gma_threshold": 0.8,
-                                            "gma_grad": "last", "gma_mask": "hard", "cgw_alpha": 0.1})
+                                            "gma_grad": "last", "gma_mask": "hard", "cgw_alpha": 0.1,
+                                            "trim_beta": 0.2})
 
 
 def sync(device):
@@ -183,6 +184,20 @@ def naive_feder(global_P, stacks, state, hp):
     return (table[:, stacks["conv_group_P"] + 1] * W).sum(0)
 
 
+def naive_fedmedian(global_P, stacks, state, hp):
+    W = stacks["params_KP"]
+    K = W.shape[0]
+    ordered = W.sort(0).values
+    return (ordered[(K - 1) // 2] + ordered[K // 2]) / 2
+
+
+def naive_fedtrimmedavg(global_P, stacks, state, hp):
+    W = stacks["params_KP"]
+    K = W.shape[0]
+    b = math.floor(hp.params["trim_beta"] * K + 1e-9)
+    return W.sort(0).values[b:K - b].mean(0)
+
+
 # rule -> (naive fn, [K, P] stacks read, [K, P]-sized float temporaries of the naive version)
 RULES = {
     "fedavg": (naive_fedavg, 1, 1),
@@ -191,6 +206,8 @@ RULES = {
     "feder": (naive_feder, 1, 2),
     "fedgma": (naive_fedgma, 2, 4),
     "cgw": (naive_cgw, 2, 2),
+    "fedmedian": (naive_fedmedian, 1, 3),          # sorted values + int64 indices
+    "fedtrimmedavg": (naive_fedtrimmedavg, 1, 3),
 }
 
 

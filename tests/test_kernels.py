@@ -28,7 +28,8 @@ FUSED = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9), "fedcong": hp_
          "fedcong_low_alpha": hp_of(cong_alpha=0.3),
          "fedgma": hp_of(gma_threshold=0.6, server_lr=0.5),
          "fedgma_soft_delta": hp_of(gma_threshold=0.6, server_lr=0.5, gma_mask="soft", gma_grad="delta"),
-         "feder": hp_of(), "cgw": hp_of(cgw_alpha=0.2)}
+         "feder": hp_of(), "cgw": hp_of(cgw_alpha=0.2),
+         "fedmedian": hp_of(), "fedtrimmedavg": hp_of(trim_beta=0.2)}
 
 needs_compiler = pytest.mark.skipif(kernels.lib(torch.zeros(1)) is None, reason="no working C compiler")
 
@@ -109,7 +110,7 @@ def test_without_a_compiler_the_rules_fall_back_to_torch_ops(tmp_path):
         "g, s = make_inputs(6, 700, seed=3)\n"
         "hp = hp_of(cong_alpha=0.5)\n"
         "out = [strategies.get(n).aggregate(g, s, strategies.get(n).init_state(g, hp), hp)[0]\n"
-        "       for n in ('fedcong', 'fedavg')]\n"
+        "       for n in ('fedcong', 'fedavg', 'fedmedian', 'fedtrimmedavg')]\n"
         "torch.save(out, sys.argv[1])\n" % os.path.dirname(os.path.abspath(__file__)))
     results = []
     for env in ({"CC": str(tmp_path / "no-such-cc"), "FEDDDP_CACHE": str(tmp_path / "cache")},

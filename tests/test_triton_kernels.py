@@ -218,7 +218,7 @@ def test_neutral_settings_give_fedavg_bits(interpreted, name, num_clients):
 
 
 # the rules whose fused part is the mean alone (FedAdam's family: delta; the robust rules: the
-# mean of the rows they keep, after a torch sort or selection)
+# mean of the rows they keep, after a torch selection; FedMedian and FedTrimmedAvg sort in their kernel)
 MEAN_ONLY = {"fedyogi": hp_of(), "fedadagrad": hp_of(), "fedmedian": hp_of(), "fedtrimmedavg": hp_of(trim_beta=0.2),
              "krum": hp_of(byzantine_f=1, krum_m=3), "bulyan": hp_of(byzantine_f=1)}
 
@@ -234,7 +234,8 @@ def test_rules_through_the_triton_mean_agree_with_their_torch_ops(interpreted, n
 
 RULE_HPS = {"fedavg": hp_of(), "fedmom": hp_of(server_momentum=0.9),
             "fedcong": hp_of(cong_alpha=0.3), "fedgma": hp_of(gma_threshold=0.6, server_lr=0.5),
-            "feder": hp_of(), "cgw": hp_of(cgw_alpha=0.2)}
+            "feder": hp_of(), "cgw": hp_of(cgw_alpha=0.2),
+            "fedmedian": hp_of(), "fedtrimmedavg": hp_of(trim_beta=0.2)}
 
 
 @pytest.mark.parametrize("name", sorted(RULE_HPS))

@@ -9,10 +9,15 @@ Flower's FedMedian and FedTrimmedAvg.
                   (beta = algorithm.params.trim_beta in [0, 0.5), 0.2 as Flower's)
 
 Both are unweighted, as in the paper and in Flower: algorithm.weighting only weights the reported
-train_loss. Each coordinate is a sort over the client axis (torch.sort along dim 0 of the [K, P]
-stack, a piece of columns at a time so that its [K, C] values and int64 indices stay about 1 MiB
-on CPU), then the fused uniform mean (C, Triton or torch ops: weighted_mean_P) of the rows kept.
-beta = 0 sorts nothing and is uniform FedAvg bit for bit. b takes floor with a 1e-9 slack
+train_loss. Each coordinate is a sort over the client axis. The fused form (kernels.sorted_mean:
+kernels.c's fd_sorted_mean on CPU, triton_kernels' _sorted_mean_kernel on CUDA, where the probe or
+FEDDDP_KERNELS chooses it and K <= kernels.SORT_MAX_CLIENTS) sorts and averages in one pass; the
+torch form is torch.sort along dim 0 of the [K, P] stack, a piece of columns at a time so that
+its [K, C] values and int64 indices stay about 1 MiB on CPU, then the fused uniform mean (C,
+Triton or torch ops: weighted_mean_P) of the rows kept. The kernels sum the kept values in order
+with the mean kernel's arithmetic (NaN sorted last, as torch.sort), so both forms give the same
+bits where FedAvg's form is the C kernel. beta = 0 sorts nothing and is uniform FedAvg bit for
+bit in either form. b takes floor with a 1e-9 slack
 (0.29 x 100 is 28.999999999999996: 29, where Flower's int() trims 28). No state, no server step
 (algorithm.server_lr is refused). Sharded: every coordinate is its own, so each rank runs the
 same on its columns. Legend: K clients that reported, P flat parameters, C columns of a piece,
@@ -25,6 +30,7 @@ import math
 
 import torch
 
+from . import kernels
 from .base import Span, Strategy, column_block, gathered, register, weighted_mean_P
 
 
@@ -72,15 +78,37 @@ def trimmed_mean_C(rows_KC: torch.Tensor, num_trim: int) -> torch.Tensor:
     return uniform_mean_C(torch.sort(rows_KC, dim=0).values[num_trim:num_rows - num_trim])
 
 
+def fused_sorted_mean(rule: str, params_KP: torch.Tensor, lo: int, hi: int, median: bool):
+    """The fused form's new range (kernels.sorted_mean: the C kernel on CPU, Triton on CUDA) where
+    the rule takes it and K fits its sort, else None: the torch ops. Every column is its own, so
+    the kernel on a span's columns gives the gathered form's bits for them."""
+    if params_KP.shape[0] > kernels.SORT_MAX_CLIENTS:
+        return None
+    lib = kernels.lib(params_KP, rule=rule)
+    return None if lib is None else kernels.sorted_mean(lib, params_KP, lo, hi, median)
+
+
 def _median_span(global_P, stacks, state, hp, span):
-    """Strategy.aggregate_span: each column's median, piece by piece (the sort: values + indices)."""
-    return by_columns(global_P, stacks["params_KP"], span, 3, median_C), state, {}
+    """Strategy.aggregate_span: each column's median, fused or piece by piece (the sort: values +
+    indices)."""
+    params_KP = stacks["params_KP"]
+    num_rows = params_KP.shape[0]
+    new_P = fused_sorted_mean("fedmedian", params_KP, (num_rows - 1) // 2, num_rows // 2 + 1, median=True)
+    if new_P is None:
+        new_P = by_columns(global_P, params_KP, span, 3, median_C)
+    return new_P.to(global_P.dtype), state, {}
 
 
 def _trimmed_span(global_P, stacks, state, hp, span):
-    num_trim = num_trimmed(hp.params["trim_beta"], stacks["params_KP"].shape[0])
-    new_P = by_columns(global_P, stacks["params_KP"], span, 4, lambda rows_KC: trimmed_mean_C(rows_KC, num_trim))
-    return new_P, state, {}
+    params_KP = stacks["params_KP"]
+    num_rows = params_KP.shape[0]
+    num_trim = num_trimmed(hp.params["trim_beta"], num_rows)
+    # nothing trimmed: uniform FedAvg's form and bits, whatever form this rule takes
+    new_P = (fused_sorted_mean("fedtrimmedavg", params_KP, num_trim, num_rows - num_trim, median=False)
+             if num_trim else None)
+    if new_P is None:
+        new_P = by_columns(global_P, params_KP, span, 4, lambda rows_KC: trimmed_mean_C(rows_KC, num_trim))
+    return new_P.to(global_P.dtype), state, {}
 
 
 def check_trim(params: dict) -> list[str]:

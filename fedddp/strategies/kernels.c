@@ -403,3 +403,58 @@ int fd_fedcong(const float *W, int64_t K, int64_t ld, int64_t P, const float *p,
     free(pad);
     return 0;
 }
+
+/* -- sorts over the client axis ------------------------------------------------------------ */
+
+/* Clients a column sort holds: two [SORT_MAX_CLIENTS, LANES] float buffers on the stack
+ * (32 KiB at 16 lanes). More clients take the torch ops (kernels.SORT_MAX_CLIENTS, the same figure): the sort
+ * below is K^2 / 2 compare-exchanges, against torch.sort's K log K: still 2.7x torch.sort's
+ * speed at K = 256 on a 2-core AVX-512 machine, 7x at K = 100, 15x at K = 32. */
+#define SORT_MAX_CLIENTS 256
+
+/* a before b in ascending order, NaN last (as torch.sort): a < b, or b is NaN and a is not. */
+static inline vi before(vf a, vf b) { return (vi)(a < b) | ((vi)(b != b) & (vi)(a == a)); }
+
+/* The K values of each of a chunk's LANES columns, sorted ascending into sorted[0 .. K-1]: an
+ * insertion sort without branches, row k passed down the k sorted rows by compare-exchanges
+ * (each keeps the smaller, hands on the larger). The result is the column's multiset in order,
+ * so its values are torch.sort's whatever the order of equal values. */
+static void sort_chunk(chunk_t c, int64_t K, ahead_t *a, vf *sorted) {
+    for (int64_t k = 0; k < K; k++) {
+        ahead_step(a);
+        vf x = load(c.rows + k * c.ld);
+        for (int64_t i = 0; i < k; i++) {
+            vf y = sorted[i];
+            vi x_first = before(x, y);
+            sorted[i] = pick(x_first, x, y);
+            x = pick(x_first, y, x);
+        }
+        sorted[k] = x;
+    }
+}
+
+/* Per column the rows [lo, hi) of the column sorted over its K clients: out_j = their mean,
+ * acc = 0; acc = acc + weight * v_r for r = lo .. hi-1 in order (weight = 1 / (hi - lo) as a
+ * float32, fd_mix's arithmetic on the kept rows, so the torch form through fd_mix has these
+ * bits), or with median != 0 the median, (v_lo + v_hi-1) / 2 (lo == hi-1 for odd K: v_lo). */
+int fd_sorted_mean(const float *W, int64_t K, int64_t ld, int64_t P, int64_t lo, int64_t hi,
+                   float weight, int32_t median, float *out) {
+    if (K > SORT_MAX_CLIENTS || lo < 0 || hi > K || lo >= hi) return 2;
+    vf sorted[SORT_MAX_CLIENTS];
+    float pad[LANES * SORT_MAX_CLIENTS];
+    ahead_t a = {0};
+    for (int64_t col = 0; col < P; col += LANES) {
+        int64_t width = P - col < LANES ? P - col : LANES;
+        if (NEW_BLOCK(0, col)) ahead_start(&a, W, ld, K, next_block(0, col));
+        sort_chunk(chunk_at(W, ld, K, col, width, pad), K, &a, sorted);
+        vf result;
+        if (median) {
+            result = lo == hi - 1 ? sorted[lo] : (sorted[lo] + sorted[hi - 1]) / splat(2.0f);
+        } else {
+            result = splat(0.0f);
+            for (int64_t r = lo; r < hi; r++) result = result + splat(weight) * sorted[r];
+        }
+        store_vec(out, col, width, result);
+    }
+    return 0;
+}

@@ -11,8 +11,9 @@ atomic (a temporary file renamed into place), so ranks or jobs racing on it are 
 
 Which form is faster depends on the CPU (vector width, memory system) and on torch's BLAS, so
 each rule's form is measured, not assumed: on first use a probe times both forms of every rule
-on a [16, 300007] stack (a fraction of a second in all) and keeps the faster (the kernel unless
-the torch ops win by more than 25%, see TORCH_MARGIN); the choice is cached beside the built
+on a [16, 300007] stack (about a second in all, most of it FedMedian's and FedTrimmedAvg's
+torch sorts) and keeps the faster (the kernel unless the torch ops win by more than 25%, see
+TORCH_MARGIN); the choice is cached beside the built
 library (same CPU hash) with the torch version it was measured against. FedMom, FedGMA and
 CGW take their kernel only where FedAvg does, so that their neutral settings keep giving
 FedAvg's vector bit for bit. ``FEDDDP_KERNELS=c``,
@@ -69,7 +70,11 @@ SIGNATURES = {
     "fd_cgw_stats": [_PTR, _I64, _I64, _I64, _PTR, _PTR],
     "fd_fedgma": [_PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _I32, _I32, _F, _PTR, _DPTR],
     "fd_fedcong": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I32, _PTR, _LPTR],
+    "fd_sorted_mean": [_PTR, _I64, _I64, _I64, _I64, _I64, _F, _I32, _PTR],
 }
+# Most clients the column sorts of FedMedian and FedTrimmedAvg hold (kernels.c's and
+# triton_kernels.py's SORT_MAX_CLIENTS): more take the rules' torch ops.
+SORT_MAX_CLIENTS = 256
 
 _loaded: ctypes.CDLL | None = None
 _failure: str | None = None
@@ -215,7 +220,7 @@ def _interpreted_triton():
 
 # The rules with a fused kernel; every other rule's averages go through weighted_mean_P, which
 # takes FedAvg's form.
-RULES = ("fedavg", "feder", "fedmom", "cgw", "fedgma", "fedcong")
+RULES = ("fedavg", "feder", "fedmom", "cgw", "fedgma", "fedcong", "fedmedian", "fedtrimmedavg")
 # Rules whose neutral setting must return FedAvg's vector bit for bit: their kernel forms the
 # mean as fd_mix does, their torch-op form through weighted_mean_P (FedAvg's form), so they may
 # take the kernel only where FedAvg does.
@@ -276,7 +281,8 @@ def _probe_inputs():
               "full_grad_KP": grads_KP, "full_loss_K": 0.5 + torch.rand(K, generator=gen),
               "eff_rank_KL": 3 * torch.rand(K, 8, generator=gen), "conv_runs_R3": runs_R3(group_P)}
     hp = AlgorithmConfig(server_lr=1.0, params={"server_momentum": 0.9, "cong_alpha": 0.7, "gma_threshold": 0.8,
-                                                "gma_grad": "last", "gma_mask": "hard", "cgw_alpha": 0.1})
+                                                "gma_grad": "last", "gma_mask": "hard", "cgw_alpha": 0.1,
+                                                "trim_beta": 0.2})
     return global_P, stacks, hp
 
 
@@ -537,3 +543,20 @@ def fedcong(lib, rows_KP, weights_K, global_P, need: int):
                           weights_K.data_ptr(), global_P.data_ptr(), need,
                           out_P.data_ptr(), took))
     return out_P, took[0], took[1]
+
+
+def sorted_mean(lib, rows_KP, lo: int, hi: int, median: bool):
+    """Per column, the rows [lo, hi) of its K values sorted ascending: their mean, summed in
+    order with the weight 1 / (hi - lo) as uniform_mean_C forms it (float32 ones over their
+    sum), or with ``median`` the median ((v_lo + v_hi-1) / 2). K <= SORT_MAX_CLIENTS."""
+    if _is_triton(lib):
+        return lib.sorted_mean(rows_KP, lo, hi, median)
+    num_clients, num_params = rows_KP.shape
+    ones_R = torch.ones(hi - lo)
+    weight = (ones_R / ones_R.sum())[0].item()
+    out_P = torch.empty(num_params, dtype=torch.float32)
+    status = lib.fd_sorted_mean(rows_KP.data_ptr(), num_clients, rows_KP.stride(0), num_params,
+                                lo, hi, weight, int(median), out_P.data_ptr())
+    if status != 0:
+        raise ValueError(f"fedddp: fd_sorted_mean refused K = {num_clients}, rows [{lo}, {hi})")
+    return out_P

@@ -47,6 +47,10 @@ NUM_WARPS = 4
 STATS_TILE = 4096
 # Most clients one statistics tile holds; more clients are read in chunks of this many, twice.
 STATS_MAX_CLIENTS = 128
+# Elements of the [KC, B] register tile of the column sorts (FedMedian, FedTrimmedAvg), and the
+# most clients one holds (kernels.SORT_MAX_CLIENTS: more take the torch ops).
+SORT_TILE = 4096
+SORT_MAX_CLIENTS = 256
 # kernels.c's arithmetic: no multiply-add contraction (the interpreter ignores the option).
 OPTIONS = {"num_warps": NUM_WARPS, "enable_fp_fusion": False}
 
@@ -354,6 +358,43 @@ def _fedcong_kernel(W, ld, K, P, p, g, need, out, took_parts, BLOCK: tl.constexp
         _fedcong_block(W, ld, K, P, p, g, need, out, took_parts, pid, BLOCK, False, ALIGNED)
 
 
+@triton.jit
+def _sorted_mean_kernel(W, ld, K, P, lo, hi, weight, out, KC: tl.constexpr, B: tl.constexpr,
+                        MEDIAN: tl.constexpr):
+    """Per column of a block of B, the rows [lo, hi) of its K values sorted ascending (NaN last,
+    as torch.sort): their mean, acc = acc + weight * v_r for r = lo .. hi-1 in order (kernels.c's
+    fd_sorted_mean), or with MEDIAN (v_lo + v_hi-1) / 2. A sort without sorting: each value's
+    rank among its column's K (the values before it, equal ones by client id) is a permutation
+    of 0 .. K-1, and v_r is the one value of rank r, summed out of the tile with -0.0 for the
+    others (x + -0.0 is x), so the bits are the C kernel's."""
+    pid = tl.program_id(0)
+    cols = pid * B + tl.arange(0, B)
+    clients = tl.arange(0, KC)[:, None]
+    inside = cols < P
+    real = clients < K                                      # [KC, 1]: rows past K are padding
+    tile = tl.load(W + clients.to(tl.int64) * ld + cols[None, :], mask=real & inside[None, :],
+                   other=0.0)
+    tile_nan = tile != tile
+    rank = tl.full([KC, B], 0, tl.int32)
+    offset = tl.full([], 0, tl.int64)                       # i * ld, in 64 bits
+    for i in range(K):
+        row = tl.load(W + offset + cols, mask=inside, other=0.0)[None, :]
+        row_nan = row != row
+        below = (row < tile) | (tile_nan & ~row_nan)
+        tied_before = ((row == tile) | (tile_nan & row_nan)) & (i < clients)
+        rank += (below | tied_before).to(tl.int32)
+        offset += ld
+    if MEDIAN:
+        low = _sum(tl.where(real & (rank == lo), tile, -0.0), axis=0)
+        high = _sum(tl.where(real & (rank == hi - 1), tile, -0.0), axis=0)
+        result = tl.where(lo == hi - 1, low, (low + high) / 2.0)
+    else:
+        result = tl.full([B], 0, tl.float32)
+        for r in range(lo, hi):
+            result = result + weight * _sum(tl.where(real & (rank == r), tile, -0.0), axis=0)
+    tl.store(out + cols, result, mask=inside)
+
+
 # -- calls: the same arguments and results as kernels.py's C wrappers (minus the library), with
 # scalars as 0-d tensors on the device (no host synchronisation). --
 
@@ -488,3 +529,19 @@ def fedcong(rows_KP, weights_K, global_P, need: int):
                                      ALIGNED=_aligned(rows_KP), **OPTIONS)
     took_2 = took_G2.sum(0, dtype=torch.int64)
     return out_P, took_2[0], took_2[1]
+
+
+def sorted_mean(rows_KP, lo: int, hi: int, median: bool):
+    """Per column, the rows [lo, hi) of its K values sorted ascending: their mean with the weight
+    1 / (hi - lo) as uniform_mean_C forms it, or with ``median`` the median. K <= SORT_MAX_CLIENTS."""
+    num_clients, num_params = rows_KP.shape
+    device = rows_KP.device
+    clients_tile = triton.next_power_of_2(num_clients)
+    cols_tile = max(16, SORT_TILE // clients_tile)
+    ones_R = torch.ones(hi - lo)
+    weight = (ones_R / ones_R.sum())[0].item()
+    out_P = torch.empty(num_params, dtype=torch.float32, device=device)
+    _sorted_mean_kernel[(max(1, triton.cdiv(num_params, cols_tile)),)](
+        rows_KP, rows_KP.stride(0), num_clients, num_params, int(lo), int(hi), weight, out_P,
+        KC=clients_tile, B=cols_tile, MEDIAN=bool(median), **OPTIONS)
+    return out_P
