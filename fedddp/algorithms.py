@@ -256,7 +256,8 @@ def build_model(cfg, input_shape, num_classes: int, task: str | None = None) -> 
     # what the round loop passes)
     task = task or tasks.of_data(cfg.data.name) or "classification"
     net = models.build(cfg.model.name, input_shape, num_classes, task, cfg.model.hidden)
-    errors = check_model(cfg.algorithm, cfg.model.name, net, task) + check_output(cfg.model.name, net, tuple(input_shape), num_classes, task)
+    errors = (check_model(cfg.algorithm, cfg.model.name, net, task)
+              + check_output(cfg.model.name, net, tuple(input_shape), num_classes, task))
     if errors:
         raise ConfigError("; ".join(errors))
     # the local rule's own parts (MOON's projection head), after the checks above passed

@@ -18,7 +18,7 @@ from typing import Any
 from . import algorithms, asynchrony, callbacks, config, participation, plugins, strategies
 from .client import batched, rules
 from .errors import ConfigError
-from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES, WEIGHTING, resolve, weighting_of
+from .registry import ALGORITHMS, LOCAL_RULES, SERVER_RULES, WEIGHTING, weighting_of
 
 
 def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str] = ()) -> config.Config:
@@ -34,7 +34,8 @@ def load(path: str | os.PathLike | Mapping[str, Any] | None, overrides: list[str
     # sampling and rule parameters (the declared defaults filled in)
     hp = algorithms.resolved(cfg.algorithm)
     return dataclasses.replace(cfg, algorithm=dataclasses.replace(hp, weighting=weighting_of(hp)),
-                               run=dataclasses.replace(cfg.run, sampling=algorithms.sampling_of(cfg.run.sampling, cfg.algorithm)))
+                               run=dataclasses.replace(cfg.run, sampling=algorithms.sampling_of(cfg.run.sampling,
+                                                                                                cfg.algorithm)))
 
 
 def validate(cfg: config.Config) -> list[str]:
@@ -46,7 +47,8 @@ def validate(cfg: config.Config) -> list[str]:
     # algorithm" that is only not imported) follows from that failure and would mislead
     failed = {e.split(":", 1)[0] for e in errors}
     rest = (config.check_fields(cfg) + algorithms.check_algorithm(cfg) + participation.check(cfg.run, cfg.train)
-            + batched.check(cfg.run.parallel_clients, cfg.algorithm, cfg.train, cfg.model) + asynchrony.check(cfg.run, cfg.data, cfg.algorithm))
+            + batched.check(cfg.run.parallel_clients, cfg.algorithm, cfg.train, cfg.model)
+            + asynchrony.check(cfg.run, cfg.data, cfg.algorithm))
     return errors + [e for e in rest if e.split(":", 1)[0] not in failed]
 
 

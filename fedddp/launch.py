@@ -82,7 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "continues from its last checkpoint (default 0)")
     parser.add_argument("--no-check", dest="check", action="store_false",
                         help="start the ranks without checking the config and data here first")
-    parser.add_argument("--verbose", action="store_true", help="keep torchrun's own log, and the start line's long form")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep torchrun's own log, and the start line's long form")
     args = parser.parse_intermixed_args(argv)
     if args.nproc is not None and args.nproc < 1:
         parser.error("--nproc must be at least 1")

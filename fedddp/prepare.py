@@ -77,7 +77,8 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     """The run's parts on this rank, the model broadcast from rank 0; config.toml and the logs
     are rank 0's book (book.py)."""
     # auto sampling resolved (checks.load has done it for a loaded config; a hand-made one may not)
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sampling=sampling_of(cfg.run.sampling, cfg.algorithm)))
+    sampling = sampling_of(cfg.run.sampling, cfg.algorithm)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sampling=sampling))
     rc = cfg.run
     torch.set_num_threads(rc.num_threads)
     # A caller's default dtype (fedddp.run from a float64 session) would build a float64 model.
@@ -200,7 +201,8 @@ def rules_of(algorithm) -> tuple[strategies.Strategy, local_rules.LocalRule, fro
     return strategy, local_rules.get(local_name), strategies.ALWAYS | strategy.needs_for(algorithm)
 
 
-def trainer_to_check(training: LocalTraining, flat_buffers: bool, model, task: tasks.Task) -> OneAfterAnother | SideBySide:
+def trainer_to_check(training: LocalTraining, flat_buffers: bool, model,
+                     task: tasks.Task) -> OneAfterAnother | SideBySide:
     """``python -m fedddp --check``'s trainer, built as the run's setup builds its own
     (``rules_of``, ``trainer_of``) before the run resolves run.parallel_clients: ``training``
     with B as configured, 1 for auto (``RunConfig.asked_parallel_clients``: the setup chooses 1

@@ -280,3 +280,18 @@ def test_a_sweep_axis_over_a_rule_param(tmp_path):
 
     _, _, points = sweep.plan(EXAMPLE, ["algorithm.params.trim=0.1,0.5"], str(tmp_path))
     assert [p.cfg.algorithm.params for p in points] == [{"clip": 5.0, "trim": 0.1}, {"clip": 5.0, "trim": 0.5}]
+
+
+@pytest.mark.parametrize("hook, args", [("check_config", (None, "plain", {})), ("closing_words", ({}, {})),
+                                        ("start_words", ({}, 10.0, 610))])
+def test_a_plugin_rules_hooks_raise_as_one_plugin_error(hook, args):
+    """A plugin server rule's optional hooks run under plugins.calling, as its aggregate does:
+    what they raise is the user's (exit 7), one line naming the rule and the hook."""
+    from fedddp.errors import PluginError
+    from fedddp.strategies.base import Strategy, plugin_form
+
+    def broken(*_):
+        raise RuntimeError("boom")
+    rule = plugin_form(Strategy("x", lambda *a: None, **{hook: broken}), "my_rules:X")
+    with pytest.raises(PluginError, match=f"my_rules:X \\(its {hook}\\) raised RuntimeError: boom"):
+        getattr(rule, hook)(*args)

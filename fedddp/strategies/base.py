@@ -191,7 +191,7 @@ def plugin_form(strategy: Strategy, name: str) -> Strategy:
                                aggregate_span=span_form,
                                **{f: guarded(getattr(strategy, f), f"its {f}")
                                   for f in ("init_state", "ledger", "spent", "check_params", "check_config",
-                                          "closing_words")})
+                                          "closing_words", "start_words")})
 
 
 def get(name: str) -> Strategy:
