@@ -675,14 +675,13 @@ class BatchedTrainer:
         schedules = [Schedule(data, tc, training.augment, ctx.round_idx, seed, work, device)
                      for ctx, data, seed, work, out in group]
         steps_B = [s.steps for s in schedules]
+        stacks, self.group = self._begin(group, global_P, B, device)
         # without augmentation every step's batches are one gather from the group's samples, by
-        # an index built once for the group (augmentation draws per client and step)
-        # (named for the profiler: bench/step_ops.py counts its host-side work apart from the steps')
+        # an index built once for the group, and its dropout masks one draw a layer (augmentation
+        # draws per client and step) (named for the profiler: bench/step_ops.py counts its
+        # host-side work apart from the steps')
         with torch.profiler.record_function("fedddp::group_batches"):
             indexed = None if training.augment else _GroupBatches(group, schedules, device)
-
-        stacks, self.group = self._begin(group, global_P, B, device)
-        with torch.profiler.record_function("fedddp::group_batches"):
             group_drops = self._group_dropout_masks(indexed, schedules, device) \
                 if indexed is not None and self.dropouts else None
         optimizer = StackedOptimizer(tc, stacks, [s.lr(0) for s in schedules])
