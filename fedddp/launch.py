@@ -27,6 +27,7 @@ OMP_NUM_THREADS=1 and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 are set for the ranks
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -50,6 +51,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 RANK_ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+@functools.cache
 def _agent():
     """torch's elastic agent and what it raises, imported on first use."""
     import types
