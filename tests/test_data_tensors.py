@@ -167,3 +167,37 @@ def test_data_path_must_name_an_npz_or_pt_file(capsys, tmp_path):
     got = main(["--check", "data.name=tensors", "data.path=d.csv", f"run.out_dir={tmp_path}"])
     line = capsys.readouterr().err.strip()
     assert got == 2 and "data.path: data.name = tensors reads its arrays from an .npz" in line and "d.csv" in line
+
+
+def test_all_finite_answers_as_isfinite_does():
+    """The sum's shortcut says "finite" only when every value is; finite values whose sum
+    overflows are settled value by value."""
+    from fedddp.data.tensors import all_finite
+
+    big = np.full(4, np.finfo(np.float32).max, dtype=np.float32)
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(big.sum())
+    assert all_finite(big)  # the sum overflows, the values are finite
+    for bad in (np.nan, np.inf, -np.inf):
+        x = np.ones((3, 5), dtype=np.float32)
+        x[2, 4] = bad
+        assert not all_finite(x)
+    pair = np.array([np.inf, -np.inf], dtype=np.float32)  # a NaN sum of two infinities
+    assert not all_finite(pair)
+    assert all_finite(np.zeros(0, dtype=np.float32)) and all_finite(np.ones((2, 3), dtype=np.float32))
+
+
+def test_consecutive_natural_clients_are_views_of_the_arrays_and_others_copies(tmp_path):
+    """Clients whose samples are consecutive rows (arrays ordered by client, as pfl's CIFAR10
+    users) share the training arrays' memory: a client made costs no copy; interleaved clients
+    get their rows copied. Both hold the same values as indexing by the client's ids."""
+    source = arrays()
+    ordered = dict(source, client_train=np.repeat(np.arange(CLIENTS), N // CLIENTS))
+    for mapping, shared in ((ordered, True), (source, False)):
+        fed = data.tensors.build(mapping, "test", config.DataConfig(name="tensors", partition="natural",
+                                                                   num_clients=CLIENTS), 0, list(range(CLIENTS)))
+        for k in range(CLIENTS):
+            mine = mapping["client_train"] == k
+            assert torch.equal(fed.train[k].x, torch.from_numpy(mapping["x_train"][mine]))
+            assert torch.equal(fed.train[k].y, torch.from_numpy(mapping["y_train"][mine]))
+            assert np.shares_memory(fed.train[k].x.numpy(), mapping["x_train"]) == shared
