@@ -60,11 +60,19 @@ def start_line(run, ranks: str, form: str, verbose: bool) -> str:
     --verbose (FEDDDP_VERBOSE=1)."""
     schedule_words = describe_schedule(run.cfg.run, run.cfg.cohort())
     if verbose:
+        ready = f"; {ready_words(run.start_phases)}" if run.start_phases else ""
         return (f"fedddp: {ranks}; {describe_algorithm(run.cfg.algorithm)}; {schedule_words}; "
-                f"aggregation: {form}; {run.clients_note}")
+                f"aggregation: {form}; {run.clients_note}{ready}")
     how = run.clients_note.split(" (", 1)[0].split(";", 1)[0]
     return (f"fedddp: {ranks}; {run.cfg.algorithm.name}; {schedule_words}; {how} "
             "(--verbose says more)")
+
+
+def ready_words(phases: dict[str, float]) -> str:
+    """The start's seconds in a few words: "ready in 0.42 s (data 0.21, model 0.05, ...)", each
+    phase of at least 10 ms in the order it ran (prepare.StartClock)."""
+    shown = ", ".join(f"{name} {s:.2f}" for name, s in phases.items() if s >= 0.01)
+    return f"ready in {sum(phases.values()):.2f} s" + (f" ({shown})" if shown else "")
 
 
 class Book:
@@ -74,6 +82,7 @@ class Book:
 
     def __init__(self, run, comm):
         rc, self.run, self.world_size = run.cfg.run, run, comm.world_size
+        begun = time.perf_counter()
         with outdir.disk_full_is_one_line("config.toml and metrics.jsonl", rc.out_dir, run.checkpoints.last):
             checkpoint.atomic_write_text(config.dumps(run.cfg), os.path.join(rc.out_dir, "config.toml"))
             # metrics.jsonl, metrics.csv, clients.jsonl, tensorboard/: replaced by a fresh run; a
@@ -85,9 +94,11 @@ class Book:
         self.callbacks = callbacks.Runner(rc.callbacks)
         self.callbacks.run_start({"out_dir": rc.out_dir, "start_round": run.start_round, "rounds": rc.rounds,
                                   "config": dataclasses.asdict(run.cfg)})
-        # Builds the fused CPU kernels now (if not cached), so round 1's aggregate_s leaves it
-        # out; the line says which form of the rules produced this run's bits.
+        # Loads the fused CPU kernels now (built if not cached: prepare starts that build on a
+        # thread) and probes their form, so round 1's aggregate_s leaves it out; the line says
+        # which form of the rules produced this run's bits.
         form = run.server.describe(strategies.kernels.describe(comm.device, rule=run.strategy.name))
+        run.start_phases["start line"] = time.perf_counter() - begun
         if rc.progress:
             console.say(start_line(run, comm.describe(), form, env.verbose()))
             rule_words = run.strategy.start_words and run.strategy.start_words(

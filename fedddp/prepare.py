@@ -9,8 +9,11 @@ themselves: the model and server state in ``Run.server``, the simulated clock in
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +44,22 @@ class Checkpoints:
     last: str | None = None
 
 
+class StartClock:
+    """The seconds of each phase of a run's start, in the order they ran, kept in
+    ``Run.start_phases``: the --verbose start line's "ready in" (book.py) and
+    bench/start_time.py --start-phases say them. ``mark(phase)`` charges the time since the
+    previous mark (or the clock's start) to ``phase``."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
 @dataclass(frozen=True)
 class Run:
     """The parts of a run, built once by ``prepare``."""
@@ -63,6 +82,8 @@ class Run:
     start_round: int = 1
     clients_note: str = ""        # the start line's words on how clients train
     client_eval: client_eval.Evaluator | None = None  # run.client_eval_every > 0
+    # seconds of each phase of the start on this rank (StartClock), rank 0's book adds its own
+    start_phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def global_P(self) -> torch.Tensor:
@@ -75,7 +96,9 @@ class Run:
 
 def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     """The run's parts on this rank, the model broadcast from rank 0; config.toml and the logs
-    are rank 0's book (book.py)."""
+    are rank 0's book (book.py). ``Run.start_phases`` holds the seconds each part took."""
+    clock = StartClock()
+    kernel_build = _start_kernel_build(comm)
     # auto sampling resolved (checks.load has done it for a loaded config; a hand-made one may not)
     sampling = sampling_of(cfg.run.sampling, cfg.algorithm)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, sampling=sampling))
@@ -93,6 +116,7 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     owned = owned_clients(cfg.data.num_clients, comm.rank, comm.world_size)
     ids = range(cfg.data.num_clients) if balanced else owned
     data = _load_data(lambda: build_data(cfg, cfg.data.seed, ids), comm)
+    clock.mark("data")
 
     # the model and flat vectors: the seeded init is identical on every rank
     torch.manual_seed(rc.seed)
@@ -100,6 +124,7 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     task = tasks.get(data.task)
     layout = FlatLayout(model, buffers=cfg.model.flat_buffers)
     global_P = layout.flatten(model).clone()
+    clock.mark("model")
     checkpoints = Checkpoints(os.path.join(rc.out_dir, "checkpoints"))
     # run.parallel_clients = auto becomes the B this run uses: the run's config holds it from here
     # on (config.toml and the checkpoints' identity record it); on resume the checkpoint's B,
@@ -109,9 +134,16 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     b, clients_note = parallel.resolve(cfg, comm, model, layout, data, ids, task, resumed)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(rc, parallel_clients=b))
     rc = cfg.run
+    clock.mark("run.parallel_clients")
+    if rc.parallel_clients > 1:
+        # torch.func's first gradient imports torch._dynamo (about a second of CPU): said as its
+        # own phase rather than inside the side-by-side check that would pay it
+        importlib.import_module("torch._dynamo")
+        clock.mark("torch.func imports")
     clients_note += _precision_words(cfg.train.precision, rc.compile, rc.parallel_clients, device)
     trainer = trainer_of(model, layout, LocalTraining.of(cfg, rc.parallel_clients), rule, needs, task)
     speeds = refuse_before_round_one(trainer, data, ids, cfg.data)
+    clock.mark("trainer and checks")
     # per-client persistent state of the clients this rank owns (run.client_state: RAM or mmap),
     # after the refusals: an mmap store writes its files in run.out_dir
     client_states = open_client_states(rc.client_state, owned, device=device, folder=os.path.join(
@@ -127,12 +159,41 @@ def prepare(cfg: config.Config, comm, resume_round: int) -> Run:
     start_round = _resume(comm, resume_round, checkpoints, owned, client_states, server, schedule) + 1
     run = Run(cfg, data, task, model, layout, strategy, rule, trainer, report, client_states, balanced, cost_K,
               server, schedule, checkpoints, start_round, clients_note,
-              client_eval.Evaluator(trainer.training, rc.client_eval_steps) if rc.client_eval_every > 0 else None)
+              client_eval.Evaluator(trainer.training, rc.client_eval_steps) if rc.client_eval_every > 0 else None,
+              clock.phases)
+    clock.mark("server and schedule" if not resume_round else "server, schedule and checkpoint")
     if comm.is_main and rc.progress and device.type == "cpu" and rc.parallel_clients > 1:
         run = dataclasses.replace(run, clients_note=run.clients_note + "; " + _side_by_side_on_cpu(run, comm))
+        clock.mark("side by side timed")
     run = dataclasses.replace(run, clients_note="; ".join(filter(None, [run.clients_note, warmup.warm_up(run, comm)])))
+    clock.mark("warm-up")
+    if kernel_build is not None:
+        kernel_build.join()  # the start line loads the library it built (book.py)
+        clock.mark("C kernel build")
     comm.broadcast_(run.server.global_P)
+    clock.mark("model broadcast")
     return run
+
+
+def _start_kernel_build(comm) -> threading.Thread | None:
+    """The fused CPU kernels' build (strategies/kernels.py: a C compiler run, about half a second
+    when not cached) started on a thread of the node's first rank, so the compiler runs while
+    this rank builds the data and the model; the start line (book.py) then finds the library
+    in the cache instead of building it. None where the kernels are not used (CUDA,
+    FEDDDP_KERNELS=torch). A build that fails here is left to the start line to say."""
+    if comm.device.type != "cpu" or comm.env.local_rank != 0 or \
+            os.environ.get("FEDDDP_KERNELS", "auto") in ("torch", "triton"):
+        return None
+
+    def build():
+        try:
+            strategies.kernels.compile_library()
+        except Exception:  # noqa: BLE001 - the start line's own build says what is wrong
+            pass
+
+    thread = threading.Thread(target=build, name="fedddp-kernel-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def _load_data(load, comm):
