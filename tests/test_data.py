@@ -313,3 +313,17 @@ def test_real_mnist_t10k_with_holdout():
     assert set(fd.test.y.tolist()) == set(range(10))
     assert fd.train[0].x.shape == (fd.num_samples[0], 1, 28, 28)
     assert abs(fd.test.x.mean().item()) < 0.05 and abs(fd.test.x.std().item() - 1) < 0.05
+
+
+def test_to_tensor_in_place_gives_the_bits_of_three_fresh_tensors():
+    """The image sets' standardisation runs in place on its one float copy: every pixel value
+    of every channel comes out bit for bit as ((x / 255) - mean) / std computed out of place."""
+    from fedddp.data.build import to_tensor
+
+    pixels = np.arange(256, dtype=np.uint8)
+    for mean_C, std_C in (*vision.STATS.values(), *idx.STATS.values()):
+        images = np.broadcast_to(pixels[None, None, :, None], (2, len(mean_C), 256, 3)).copy()
+        mean = torch.tensor(mean_C, dtype=torch.float32).view(1, -1, 1, 1)
+        std = torch.tensor(std_C, dtype=torch.float32).view(1, -1, 1, 1)
+        fresh = (torch.from_numpy(images.astype(np.float32)) / 255.0 - mean) / std
+        assert torch.equal(to_tensor(images, mean_C, std_C).view(torch.int32), fresh.view(torch.int32))

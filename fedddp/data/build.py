@@ -121,8 +121,10 @@ def _images(data: DataConfig, root: str, seed: int, owned_ids) -> FederatedData:
 
 
 def to_tensor(images_NCHW: np.ndarray, mean_C, std_C) -> torch.Tensor:
-    """uint8 [N, C, H, W] -> float32, pixels in [0, 1] then standardised per channel."""
-    x = torch.from_numpy(images_NCHW.astype(np.float32)) / 255.0  # astype copies: the IDX buffer is read-only
+    """uint8 [N, C, H, W] -> float32, pixels in [0, 1] then standardised per channel: the
+    operations of ((x / 255) - mean) / std, in place on the one float copy (the same bits as
+    three fresh tensors, without two more passes over fresh memory: 123 MB for CIFAR's test set)."""
+    x = torch.from_numpy(images_NCHW.astype(np.float32))  # astype copies: the IDX buffer is read-only
     mean = torch.tensor(mean_C, dtype=torch.float32).view(1, -1, 1, 1)
     std = torch.tensor(std_C, dtype=torch.float32).view(1, -1, 1, 1)
-    return (x - mean) / std
+    return x.div_(255.0).sub_(mean).div_(std)
