@@ -88,5 +88,7 @@ step mnist_cnn_compile 150 python3 -m fedddp configs/mnist_cnn.toml "data.root=$
     data.num_clients=100 run.clients_per_round=100 run.rounds=3 run.ckpt_every=0 run.parallel_clients=100 \
     run.compile=true "run.out_dir=$runs" run.overwrite=true
 cat "$runs/metrics.jsonl" >>"$out/mnist_cnn_compile.log" 2>/dev/null
+# --start-phases: each framework's time before round 1 in the table ("start s") and its median in the
+# summary, fedddp's beside pfl's, with fedddp's phases (data, model, checks, warm-up, ...) under each run
 step peers 200 python3 bench/peers/pfl_cifar10.py --device cuda --rounds 30 --reps 2 --parallel-clients 1,50 \
-    --data-root "$root"
+    --data-root "$root" --start-phases

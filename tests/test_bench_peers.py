@@ -26,6 +26,7 @@ def test_fedddp_side_runs_both_workloads():
     out = _smoke("--frameworks", "fedddp")
     assert "synthetic CIFAR10-shaped arrays" in out and "synthetic FEMNIST-shaped arrays" in out
     assert out.count("| 1 | fedddp B=1 |") == 2  # one row per workload
+    assert out.count("time before round 1, median: fedddp B=1 ") == 2
     assert "failed" not in out
 
 

@@ -8,6 +8,11 @@ rounds. This script runs that workload with both frameworks in one process, on t
 the same thread count and the same arrays (bench/peers/workloads.py), one after the other in
 each repeat (fedddp, pfl, fedddp, pfl, ...), and prints per framework and repeat:
 
+  start s          time before round 1: from the framework's call (fedddp.run; pfl: its data set,
+                   model and backend built, then its run up to its first iteration) to the start
+                   of round 1. fedddp's counts loading the config, the data's checks and
+                   partition, the model, the checks and the warm-up; --start-phases prints
+                   fedddp's own breakdown of it (the --verbose start line's "ready in")
   round 1 s        the first round (warm-up: allocation, caches), left out of the steady figure
   steady s/round   mean wall-clock seconds of rounds 2..R, evaluation rounds included. Both
                    evaluate once per 10 rounds (pfl after its iterations 10, 20, ..., fedddp
@@ -54,6 +59,7 @@ shapes drawn from --seed. The output says which.
     python bench/peers/pfl_cifar10.py --device cuda --rounds 30 --reps 2 --parallel-clients 1,50
     python bench/peers/pfl_cifar10.py --data-root DIR --workloads cifar10
     python bench/peers/pfl_cifar10.py --smoke --frameworks fedddp    # tiny shapes, 2 rounds (tests)
+    python bench/peers/pfl_cifar10.py --frameworks fedddp --workloads cifar10 --rounds 1 --start-phases
 
 pfl is an optional extra: ``pip install -e ".[peers]"`` (pfl[pytorch] 0.6). pfl 0.6.0 pins
 packaging<26 and, through dp-accounting<0.6, absl-py~=1.0 and attrs<24; where those would
@@ -143,6 +149,8 @@ class Outcome:
     steady_steps: int      # local steps in rounds 2..R
     train_loss: float
     model: torch.nn.Module
+    start_s: float = float("nan")  # the call to round 1's start
+    phases: dict = dataclasses.field(default_factory=dict)  # fedddp's start, phase by phase
 
     @property
     def steady_s(self) -> float:
@@ -170,15 +178,20 @@ def run_fedddp(w: Workload, args, device: torch.device, parallel: int, folder: s
         "train": {"optimizer": "sgd", "lr": w.local_lr, "batch_size": w.batch, "local_epochs": 1},
         "algorithm": {"name": "fedavg", "weighting": w.weighting},
     }
-    marks = []
-    write_round = fedddp_book.Book.write_round
+    marks, ready = [], {}
+    write_round, book_init = fedddp_book.Book.write_round, fedddp_book.Book.__init__
 
     def timed_write_round(self, *a, **k):
         write_round(self, *a, **k)
         sync(device)
         marks.append(time.perf_counter())
 
-    fedddp_book.Book.write_round = timed_write_round
+    def timed_book_init(self, run, comm):  # the last step before round 1 starts its clock
+        book_init(self, run, comm)
+        sync(device)
+        ready.update(at=time.perf_counter(), phases=dict(getattr(run, "start_phases", {})))
+
+    fedddp_book.Book.write_round, fedddp_book.Book.__init__ = timed_write_round, timed_book_init
     try:
         sync(device)
         start = time.perf_counter()
@@ -186,7 +199,7 @@ def run_fedddp(w: Workload, args, device: torch.device, parallel: int, folder: s
         sync(device)
         whole = time.perf_counter() - start
     finally:
-        fedddp_book.Book.write_round = write_round
+        fedddp_book.Book.write_round, fedddp_book.Book.__init__ = write_round, book_init
     rows = result.metrics
     round_s = [rows[0]["time_s"]] + [b - a for a, b in zip(marks, marks[1:])]
     if len(round_s) > 1:  # the evaluation after the last round: pfl's twin is its one before round 1
@@ -194,7 +207,7 @@ def run_fedddp(w: Workload, args, device: torch.device, parallel: int, folder: s
     model = getattr(workloads, w.model)(tuple(w.mapping["x_train"].shape[1:]), w.mapping["num_classes"])
     model.load_state_dict(result.state_dict)
     return Outcome(f"fedddp B={parallel}", round_s, whole, sum(w.steps(r["clients"]) for r in rows[1:]),
-                   rows[-1]["train_loss"], model.to(device))
+                   rows[-1]["train_loss"], model.to(device), ready["at"] - start, ready["phases"])
 
 
 def run_pfl(w: Workload, args, device: torch.device, folder: str) -> Outcome:
@@ -299,7 +312,7 @@ def run_pfl(w: Workload, args, device: torch.device, folder: str) -> Outcome:
         torch.set_num_threads(threads)
     round_s = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
     last_loss = clock.losses[-1].item() / max(clock.steps[-1], 1)
-    return Outcome("pfl", round_s, whole, sum(clock.steps[1:]), last_loss, net)
+    return Outcome("pfl", round_s, whole, sum(clock.steps[1:]), last_loss, net, clock.marks[0] - start)
 
 
 @torch.no_grad()
@@ -313,6 +326,13 @@ def test_metrics(model: torch.nn.Module, x_test: torch.Tensor, y_test: torch.Ten
         loss += F.cross_entropy(logits, y, reduction="sum").item()
         correct += (logits.argmax(-1) == y).sum().item()
     return loss / len(y_test), correct / len(y_test)
+
+
+def start_phase_words(out: Outcome) -> str:
+    """fedddp's start phase by phase, and what its phases leave out of the time before round 1
+    (loading the config, the out_dir check, the imports fedddp.run makes on its first call)."""
+    words = ", ".join(f"{name} {s:.2f}" for name, s in out.phases.items())
+    return f"start {out.start_s:.2f} s: {words}, other {out.start_s - sum(out.phases.values()):.2f}"
 
 
 def fmt(value: float, digits: int = 3) -> str:
@@ -340,6 +360,8 @@ def parse_args(argv=None):
     p.add_argument("--frameworks", default="fedddp,pfl", help="fedddp, pfl or both (default both)")
     p.add_argument("--femnist-writers", type=int, default=300, help="synthetic FEMNIST population (default 300)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-phases", action="store_true",
+                   help="print each fedddp run's time before round 1 phase by phase (data, model, checks, ...)")
     p.add_argument("--smoke", action="store_true", help="tiny synthetic shapes, 2 rounds, 1 repeat (for tests)")
     args = p.parse_args(argv)
     args.rounds = args.rounds or (2 if args.smoke else 10)
@@ -379,11 +401,12 @@ def main(argv=None) -> int:
         w = build_workload(name, args)
         workloads.ARRAYS[w.name] = w.mapping
         print(f"\n== {w.name}: {w.title}\ndata: {w.source}", flush=True)
-        print("| rep | framework | round 1 s | steady s/round | whole run s | client steps/s | final train loss "
-              "| test loss | test acc |\n|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| rep | framework | start s | round 1 s | steady s/round | whole run s | client steps/s "
+              "| final train loss | test loss | test acc |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
         x_test = torch.as_tensor(w.mapping["x_test"], device=device)
         y_test = torch.as_tensor(w.mapping["y_test"], device=device)
         steady: dict[str, list] = {}
+        started: dict[str, list] = {}  # seconds before round 1
         per_step: dict[str, list] = {}  # steady seconds per client step
         failed: dict[int, str] = {}
         with tempfile.TemporaryDirectory(prefix="pfl_cifar10_") as tmp:
@@ -400,19 +423,25 @@ def main(argv=None) -> int:
                             run_pfl(w, args, device, folder)
                     except Exception as exc:  # noqa: BLE001 - a failing run is one line; the others go on
                         label = f"fedddp B={b}" if framework == "fedddp" else "pfl"
-                        print(f"| {rep} | {label} | failed: {one_line(exc)} |||||||", flush=True)
+                        print(f"| {rep} | {label} | failed: {one_line(exc)} ||||||||", flush=True)
                         if framework == "fedddp":
                             failed[b] = one_line(exc)
                         continue
                     test_loss, test_acc = test_metrics(out.model, x_test, y_test)
                     steady.setdefault(out.label, []).append(out.steady_s)
+                    started.setdefault(out.label, []).append(out.start_s)
                     per_step.setdefault(out.label, []).append(1 / out.steps_per_s)
-                    print(f"| {rep} | {out.label} | {fmt(out.round_s[0])} | {fmt(out.steady_s)} | {fmt(out.whole_s, 2)} | "
+                    print(f"| {rep} | {out.label} | {fmt(out.start_s, 2)} | {fmt(out.round_s[0])} | {fmt(out.steady_s)} | "
+                          f"{fmt(out.whole_s, 2)} | "
                           f"{fmt(out.steps_per_s, 1)} | {fmt(out.train_loss, 4)} | {fmt(test_loss, 4)} | "
                           f"{fmt(test_acc, 4)} |", flush=True)
+                    if args.start_phases and out.phases:
+                        print(f"|   | {out.label} {start_phase_words(out)} |||||||||", flush=True)
         del workloads.ARRAYS[w.name]
         for label, values in steady.items():
             print(f"{label}: steady s/round median {fmt(statistics.median(values))} over {len(values)} repeat(s)")
+        print("time before round 1, median: " + ", ".join(f"{label} {fmt(statistics.median(values), 2)} s"
+                                                         for label, values in started.items()))
         for b, why in failed.items():
             print(f"fedddp B={b}: failed ({why})")
         # Clients of unequal sizes (FEMNIST) make a round's work depend on which were sampled, and
