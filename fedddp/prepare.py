@@ -9,8 +9,11 @@ themselves: the model and server state in ``Run.server``, the simulated clock in
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import json
 import os
+import platform
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +22,7 @@ import torch
 
 from . import asynchrony, checkpoint, client_eval, config, strategies, tasks, warmup
 from .algorithms import build_model, sampling_of
+from .atomic import atomic_write_text
 from .client import LocalTraining
 from .client import parallel, precision, rules as local_rules
 from .client.state import open_store as open_client_states
@@ -338,6 +342,52 @@ def _side_by_side_on_cpu(run: Run, comm) -> str:
     rounds = f"round {first}" if last == first else f"rounds {first}-{last}"
     if not timed:
         return f"side by side not measured (rank 0 trains no client in {rounds})"
-    timings = parallel.measure_cpu(run.model, run.layout, LocalTraining.of(cfg), run.task,
-                                   [run.data.train[c] for c in timed], run.global_P)
-    return parallel.cpu_verdict(timings, groups, rounds)[1]
+    timings, cached = _timed_both_ways(run, [run.data.train[c] for c in timed])
+    words = parallel.cpu_verdict(timings, groups, rounds)[1]
+    return words + ("; the timings of an earlier run of the same shapes on this CPU, kept in FEDDDP_CACHE"
+                    if cached else "")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and feature flags (Linux's /proc/cpuinfo: a virtual machine may
+    name only the maker), else the machine's type; read without starting a process
+    (platform.processor() runs uname)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            found = {}
+            for line in fh:
+                key = line.split(":", 1)[0].strip()
+                if key in ("model name", "flags", "Features") and key not in found:
+                    found[key] = line.split(":", 1)[1].strip()
+            return "; ".join(found.values()) or platform.machine()
+    except OSError:
+        return platform.machine()
+
+
+def _timed_both_ways(run: Run, clients: list) -> tuple[parallel.Timings, bool]:
+    """(parallel.measure_cpu's timings of ``clients``, whether an earlier run's): a measurement
+    costs seconds before round 1 (3 s or more for a CNN), and a sweep would pay it at every run,
+    so it is kept in the kernels' cache folder (FEDDDP_CACHE) under what decides it: the model's
+    modules and size, the timed clients' shapes, the local optimizer and batch (not the learning
+    rate), the algorithm section, the thread count, torch and the CPU. A cache that cannot be
+    read or written is measured around."""
+    cfg = run.cfg
+    identity = {"model": str(run.model), "numel": run.layout.numel, "flat_buffers": cfg.model.flat_buffers,
+                "task": run.data.task, "shapes": [[list(d.x.shape), str(d.x.dtype), str(d.y.dtype)] for d in clients],
+                "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if not k.startswith("lr")},
+                "algorithm": dataclasses.asdict(cfg.algorithm), "threads": cfg.run.num_threads,
+                "torch": torch.__version__, "cpu": [_cpu_model(), os.cpu_count()]}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = os.path.join(strategies.kernels.cache_dir(), "side_by_side", f"{key}.json")
+    try:
+        with open(path) as fh:
+            return parallel.Timings(**json.load(fh)), True
+    except (OSError, ValueError, TypeError):
+        pass
+    timings = parallel.measure_cpu(run.model, run.layout, LocalTraining.of(cfg), run.task, clients, run.global_P)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write_text(json.dumps(dataclasses.asdict(timings)), path)
+    except OSError:
+        pass  # a read-only cache: the next run measures again
+    return timings, False

@@ -82,6 +82,8 @@ def test_the_start_line_warns_when_the_measurement_says_one_after_another_is_fas
     finals = {}
     for name, timings in given.items():
         monkeypatch.setattr(parallel, "measure_cpu", lambda *args, t=timings, **kw: t)
+        # a cache of its own: no given timing reaches the machine's, nor the next case (prepare.py)
+        monkeypatch.setenv("FEDDDP_CACHE", str(tmp_path / f"cache_{name}"))
         capsys.readouterr()
         out = tmp_path / name
         run_here(["run.rounds=2", "run.parallel_clients=3", f"run.out_dir={out}", "run.progress=true"])

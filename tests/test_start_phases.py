@@ -8,10 +8,12 @@ import os
 import re
 import types
 
+import pytest
 import torch
 
 import fedddp
 from fedddp import book, prepare
+from fedddp.client import parallel
 from fedddp.strategies import kernels
 from fedrun import QUICKSTART
 
@@ -67,3 +69,24 @@ def test_no_kernel_build_where_the_kernels_are_not_used(monkeypatch):
     assert prepare._start_kernel_build(_comm("cuda")) is None
     monkeypatch.setenv("FEDDDP_KERNELS", "torch")
     assert prepare._start_kernel_build(_comm("cpu")) is None
+
+
+@pytest.mark.e2e
+def test_side_by_side_on_cpu_is_timed_once_for_the_same_shapes(tmp_path, capsys, monkeypatch):
+    """The start line's timing of side by side against one after another (seconds before round 1)
+    is kept in FEDDDP_CACHE: a second run of the same shapes, another learning rate included,
+    reads it and says so; another batch size is timed afresh."""
+    monkeypatch.setenv("FEDDDP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDDDP_VERBOSE", "1")
+    measured = []
+    measure = parallel.measure_cpu
+    monkeypatch.setattr(parallel, "measure_cpu", lambda *a, **k: measured.append(1) or measure(*a, **k))
+    args = ["run.rounds=1", "run.progress=true", "run.parallel_clients=3"]
+    lines = []
+    for i, extra in enumerate([[], ["train.lr=0.05"], ["train.batch_size=5"]]):
+        fedddp.run(QUICKSTART, args + extra, out_dir=tmp_path / str(i))
+        lines.append(next(line for line in capsys.readouterr().err.splitlines() if "rank(s) on cpu" in line))
+    assert len(measured) == 2  # the first run and the one of another batch size
+    cached = ["the timings of an earlier run of the same shapes on this CPU" in line for line in lines]
+    assert cached == [False, True, False], lines
+    assert all("predicted from one group timed both ways" in line for line in lines)
