@@ -183,8 +183,8 @@ def _start_kernel_build(comm) -> threading.Thread | None:
     """The fused CPU kernels' build (strategies/kernels.py: a C compiler run, about half a second
     when not cached) started on a thread of the node's first rank, so the compiler runs while
     this rank builds the data and the model; the start line (book.py) then finds the library
-    in the cache instead of building it. None where the kernels are not used (CUDA,
-    FEDDDP_KERNELS=torch). A build that fails here is left to the start line to say."""
+    in the cache instead of building it. None where the C kernels are not used (CUDA,
+    FEDDDP_KERNELS=torch or triton) and on the node's other ranks, which find the first's. A build that fails here is left to the start line to say."""
     if comm.device.type != "cpu" or comm.env.local_rank != 0 or \
             os.environ.get("FEDDDP_KERNELS", "auto") in ("torch", "triton"):
         return None
