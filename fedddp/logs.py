@@ -112,7 +112,7 @@ class RunLogs:
         """Writes round ``line["round"]`` to every file and returns its metrics.jsonl object.
         ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors,
         ``stacks`` the report stacks of the ``reported`` clients (rows in client-id order;
-        empty when none reported), ``rank_of`` each client's training rank. ``sync``: fsync
+        empty when none reported), as tensors or as the host lists the round read them into, ``rank_of`` each client's training rank. ``sync``: fsync
         the files (a checkpoint of this round is completed next and must not outlive its rows
         in a power cut). ``client_eval``: the round's client_eval.jsonl objects (client evaluation)."""
         per_client = {name: v for k, v in diagnostics.items() if (name := per_client_name(k))}
