@@ -165,7 +165,8 @@ def measure(args: list[str], cuda: bool = False) -> dict:
     outside = sorted(1e3 * (r["time_s"] - r["train_s"] - r["evaluate_s"]) for r in rows)
     return {"reads": [c[0] for c in counts], "syncs": [c[1] for c in counts], "outside_ms": outside[len(outside) // 2],
             "round_ms": 1e3 * sorted(r["time_s"] for r in rows)[len(rows) // 2],
-            "communicate_ms": 1e3 * sorted(r["communicate_s"] for r in rows)[len(rows) // 2]}
+            "communicate_ms": 1e3 * sorted(r["communicate_s"] for r in rows)[len(rows) // 2],
+            "aggregate_ms": 1e3 * sorted(r["aggregate_s"] for r in rows)[len(rows) // 2]}
 
 
 def main() -> None:
@@ -183,13 +184,15 @@ def main() -> None:
           + "".join(f", {kv}" for kv in args.set))
     print("'outside ms' = time_s - train_s - evaluate_s, the median steady round; 'host reads' per round outside "
           "training and evaluation" + ("; 'cuda syncs': those CUDA reports over the same span" if cuda else ""))
-    print("| workload | B | round ms | outside ms | communicate ms | host reads / round |"
+    print("'aggregate ms': of the outside ms, the server rule's (aggregate_s, its one read included)")
+    print("| workload | B | round ms | outside ms | communicate ms | aggregate ms | host reads / round |"
           + (" cuda syncs / round |" if cuda else ""))
-    print("|---|---|---|---|---|---|" + ("---|" if cuda else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for parallel in [int(b) for b in args.parallel.split(",")]:
         name, run_args = workload(args.data_root, args.clients, parallel, args.rounds, args.device)
         m = measure(run_args + args.set, cuda)
         print(f"| {name} | {parallel} | {m['round_ms']:.1f} | {m['outside_ms']:.2f} | {m['communicate_ms']:.2f} | "
+              f"{m['aggregate_ms']:.2f} | "
               f"{max(m['reads'])} |" + (f" {max(m['syncs'])} |" if cuda else ""), flush=True)
 
 
