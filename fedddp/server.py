@@ -19,10 +19,10 @@ import torch
 from . import logs, participation, strategies
 from .errors import PluginError
 from .report import ReportLayout
+from .verdict import agree_with_rank_zero, diverged
 
 # the report columns clients.jsonl writes of each client (logs.py), read with the round's checks
 CLIENT_COLUMNS = ("train_loss_K", "train_time_K", "num_samples_K", "num_steps_K")
-from .verdict import agree_with_rank_zero, diverged
 
 
 class Server:
@@ -73,13 +73,17 @@ class Server:
         flags = self._failure_flags(error)
         train_loss, seconds = None, None
         if self.comm.is_main and error is None:
-            columns = {k: stacks[k] for k in CLIENT_COLUMNS if k in stacks}
-            read = read_once({"flags": flags, "train_loss": train_loss_t, "train_time_K": train_time_K}
-                             | columns | diagnostics, self.global_P.device,
-                             as_lists={"train_time_K", *columns, *filter(logs.per_client_name, diagnostics)})
-            train_loss, seconds = read["train_loss"], read["train_time_K"]
-            stacks, diagnostics = {k: read[k] for k in columns}, {k: read[k] for k in diagnostics}
-            failed_elsewhere, model_finite = read["flags"][0] > 0, read["flags"][1] == 0
+            # keyed by (part, name): a rule's diagnostic may share a name with a column
+            parts = {("round", "flags"): flags, ("round", "train_loss"): train_loss_t,
+                     ("round", "seconds"): train_time_K} \
+                | {("column", k): stacks[k] for k in CLIENT_COLUMNS if k in stacks} \
+                | {("diagnostic", k): v for k, v in diagnostics.items()}
+            read = read_once(parts, self.global_P.device, as_lists={("round", "seconds")} | {
+                (part, k) for part, k in parts if part == "column" or logs.per_client_name(k)})
+            train_loss, seconds = read["round", "train_loss"], read["round", "seconds"]
+            stacks = {k: v for (part, k), v in read.items() if part == "column"}
+            diagnostics = {k: v for (part, k), v in read.items() if part == "diagnostic"}
+            failed_elsewhere, model_finite = read["round", "flags"][0] > 0, read["round", "flags"][1] == 0
             if failed_elsewhere:
                 error = PluginError(f"algorithm.name: the server rule {self.strategy.name} raised on another rank "
                                     "(see its message)")
