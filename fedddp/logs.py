@@ -110,9 +110,10 @@ class RunLogs:
                     rank_of: dict[int, int], last_ckpt: str | None, sync: bool = False,
                     client_eval: list[dict] | None = None) -> dict:
         """Writes round ``line["round"]`` to every file and returns its metrics.jsonl object.
-        ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors,
-        ``stacks`` the report stacks of the ``reported`` clients (rows in client-id order;
-        empty when none reported), as tensors or as the host lists the round read them into, ``rank_of`` each client's training rank. ``sync``: fsync
+        ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors (or
+        their host values), ``stacks`` the report stacks of the ``reported`` clients (rows in
+        client-id order; empty when none reported), as tensors or as the host lists the round
+        read them into (server.read_once), ``rank_of`` each client's training rank. ``sync``: fsync
         the files (a checkpoint of this round is completed next and must not outlive its rows
         in a power cut). ``client_eval``: the round's client_eval.jsonl objects (client evaluation)."""
         per_client = {name: v for k, v in diagnostics.items() if (name := per_client_name(k))}

@@ -216,7 +216,8 @@ def read_once(parts: dict, device: torch.device, as_lists=()) -> dict:
     on ``device`` flattened into one float64 vector and read with a single ``.tolist()`` (float64
     holds every float32 value exactly, so each comes back as its own ``.item()`` would), then
     cut back as ``.tolist()`` gives them for the keys ``as_lists``, and for the others as
-    logs.to_json does (a one-element tensor a float, others ``.tolist()``). Other values (None, Python numbers, integer tensors, tensors on the host) as they are."""
+    logs.to_json does (a one-element tensor a float, others ``.tolist()``). Other values (None,
+    Python numbers, integer tensors, tensors on the host) as they are."""
     read = {k: v for k, v in parts.items()
             if isinstance(v, torch.Tensor) and v.device == device and v.is_floating_point()}
     if not read:

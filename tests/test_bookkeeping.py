@@ -69,7 +69,8 @@ def test_a_rounds_scalars_pack_as_each_clients_did():
     gen = torch.Generator().manual_seed(1)
 
     def report(i: int) -> dict:
-        return {"num_samples": torch.tensor(float(10 + i)), "train_loss": torch.rand((), generator=gen, dtype=torch.float64),
+        return {"num_samples": torch.tensor(float(10 + i)),
+                "train_loss": torch.rand((), generator=gen, dtype=torch.float64),
                 "train_time": 1 / (3 + i), "num_steps": torch.tensor(4.0 + i),
                 "full_loss": torch.rand((), generator=gen, dtype=torch.float64),
                 "eff_rank_L": torch.rand(3, generator=gen, dtype=torch.float64)}
