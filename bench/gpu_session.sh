@@ -81,6 +81,9 @@ for B in 1 100 auto; do  # auto: the B run.parallel_clients=auto picks from free
         "run.parallel_clients=$B" "run.out_dir=$runs" run.overwrite=true
     cat "$runs/metrics.jsonl" >>"$out/mnist_cnn.log" 2>/dev/null
 done
+# the same workload's bookkeeping at B = 100: ms a round outside training and evaluation, host reads
+# and the syncs CUDA reports (bench/bookkeeping.py); into mnist_cnn.log (a step of that name)
+step mnist_cnn 90 python3 bench/bookkeeping.py --device cuda --data-root "$root" --parallel 100
 # not in the default list: STEPS=mnist_cnn_compile, the same at B = 100 with run.compile (compiled in the warm-up
 # before round 1: its metrics' first round_s against the steady ones)
 runs=/tmp/fedddp_gpu_runs/mnist_cnn_compile

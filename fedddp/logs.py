@@ -110,9 +110,10 @@ class RunLogs:
                     rank_of: dict[int, int], last_ckpt: str | None, sync: bool = False,
                     client_eval: list[dict] | None = None) -> dict:
         """Writes round ``line["round"]`` to every file and returns its metrics.jsonl object.
-        ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors,
-        ``stacks`` the report stacks of the ``reported`` clients (rows in client-id order;
-        empty when none reported), ``rank_of`` each client's training rank. ``sync``: fsync
+        ``line`` holds the round loop's keys, ``diagnostics`` the server rule's tensors (or
+        their host values), ``stacks`` the report stacks of the ``reported`` clients (rows in
+        client-id order; empty when none reported), as tensors or as the host lists the round
+        read them into (server.read_once), ``rank_of`` each client's training rank. ``sync``: fsync
         the files (a checkpoint of this round is completed next and must not outlive its rows
         in a power cut). ``client_eval``: the round's client_eval.jsonl objects (client evaluation)."""
         per_client = {name: v for k, v in diagnostics.items() if (name := per_client_name(k))}
@@ -162,16 +163,18 @@ class RunLogs:
 
 
 def _client_lines(round_idx: int, reported: list[int], rank_of: dict[int, int], stacks: dict,
-                  per_client: dict[str, torch.Tensor]) -> str:
-    """The round's clients.jsonl lines as one string (one write for any number of clients)."""
-    tensors = {"train_loss": stacks["train_loss_K"], "train_time_s": stacks["train_time_K"]} | per_client
-    for name, rows in tensors.items():
-        assert rows.shape[0] == len(reported), f"{name}: {rows.shape[0]} rows for {len(reported)} clients"
-    # one check on the tensors spares the per-value walk in the usual all-finite round
-    finite = all(bool(torch.isfinite(rows).all()) for rows in tensors.values())
+                  per_client: dict) -> str:
+    """The round's clients.jsonl lines as one string (one write for any number of clients). The
+    columns come as host lists (the round loop reads them from the device once, with its checks:
+    server.read_once) or as tensors, read here."""
+    columns = {"train_loss": stacks["train_loss_K"], "train_time_s": stacks["train_time_K"]} | per_client
     # .tolist(), not to_json: one reporting client still gives a list of one row
-    columns = {name: rows.detach().cpu().tolist() for name, rows in tensors.items()}
-    num_samples, num_steps = stacks["num_samples_K"].tolist(), stacks["num_steps_K"].tolist()
+    columns = {name: _host_list(rows) for name, rows in columns.items()}
+    for name, rows in columns.items():
+        assert len(rows) == len(reported), f"{name}: {len(rows)} rows for {len(reported)} clients"
+    # one check on the values spares the per-value walk in the usual all-finite round
+    finite = all(math.isfinite(v) for rows in columns.values() for v in _flat(rows))
+    num_samples, num_steps = _host_list(stacks["num_samples_K"]), _host_list(stacks["num_steps_K"])
     lines = []
     for i, cid in enumerate(reported):
         record = {"round": round_idx, "client": cid, "rank": rank_of[cid], "num_samples": int(num_samples[i]),
@@ -180,6 +183,18 @@ def _client_lines(round_idx: int, reported: list[int], rank_of: dict[int, int], 
             record = {k: finite_or_null(v) for k, v in record.items()}
         lines.append(ENCODER.encode(record))
     return "\n".join(lines) + "\n"
+
+
+def _host_list(rows) -> list:
+    return rows.detach().cpu().tolist() if isinstance(rows, torch.Tensor) else rows
+
+
+def _flat(rows: list):
+    for v in rows:
+        if isinstance(v, list):
+            yield from _flat(v)
+        else:
+            yield v
 
 
 def _csv_text(rows: list[dict], columns: list[str], header: bool) -> str:

@@ -70,11 +70,34 @@ class ReportLayout:
         cast's rounding) and written with one host-to-device copy, not one per field."""
         row_F[self.scalars].copy_(self._host_scalars(report))
 
-    def pack_group(self, rows_MF: torch.Tensor, rows: list[int], reports: list[dict]) -> None:
-        """``pack_scalars`` for a group of clients (their rows of ``rows_MF``): one host-to-device
-        copy for the group, not one a client (each a wait on a GPU)."""
-        values_nS = torch.stack([self._host_scalars(report) for report in reports])
-        rows_MF[torch.tensor(rows, device=rows_MF.device), self.scalars] = values_nS.to(rows_MF.device)
+    def pack_round(self, rows_MF: torch.Tensor, rows: list[int], reports: list[dict]) -> None:
+        """``pack_scalars`` for every client trained this round (their rows of ``rows_MF``): each
+        field stacked across the clients on the device it was computed on, cast to float32 there
+        (the same rounding on any device), the host's fields written with one host-to-device copy
+        for the round (each a wait on a GPU), not one a client or a group."""
+        if not rows:
+            return
+        order = sorted(range(len(rows)), key=rows.__getitem__)
+        rows, reports = [rows[i] for i in order], [reports[i] for i in order]
+        n, device, offset = len(rows), rows_MF.device, self.scalars.start
+        # consecutive rows (a round without stragglers) are a slice: no index to copy over
+        target = slice(rows[0], rows[0] + n) if rows[-1] - rows[0] == n - 1 else \
+            torch.tensor(rows, dtype=torch.long, device=device)
+        # pinned on a GPU run, so the copy over is queued, not waited for
+        host_nS = torch.empty(n, self.scalars.stop - offset, pin_memory=device.type == "cuda")
+        on_device = []
+        for stack, sl in self.slices.items():
+            if stack.endswith("_KP"):
+                continue
+            values_nW = torch.stack([torch.as_tensor(report[self.keys[stack]]).detach() for report in reports])
+            columns = slice(sl.start - offset, sl.stop - offset)
+            if values_nW.device == host_nS.device:
+                host_nS[:, columns] = values_nW.reshape(n, -1)
+            else:
+                on_device.append((sl, values_nW.reshape(n, -1).to(torch.float32)))
+        rows_MF[target, self.scalars] = host_nS.to(device, non_blocking=True) if device != host_nS.device else host_nS
+        for sl, values_nW in on_device:
+            rows_MF[target, sl] = values_nW.to(device)
 
     def _host_scalars(self, report: dict) -> torch.Tensor:
         return torch.cat([torch.as_tensor(report[self.keys[stack]]).detach().to("cpu", torch.float32).reshape(-1)

@@ -26,6 +26,7 @@ from .plan import ClientStart, RoundPlan, evaluates
 from .prepare import Run, prepare
 from .resume import refuse_before_data, start
 from .sampling import client_seed, owner, travelling
+from .server import per_rank_seconds
 from .verdict import agree_with_rank_zero
 
 
@@ -62,11 +63,13 @@ def _rounds(run: Run, comm) -> dict:
         plan = schedule.plan(round_idx, server.global_P)
         rows_MF = server.rows(plan.rows_per_rank)
         train_clients(run, comm, plan, rows_MF)
-        rows, reported, train_s_R = server.exchange(plan, rows_MF)
+        rows, reported, train_time_K = server.exchange(plan, rows_MF)
         arrived = schedule.arrived(comm.is_main, rows, run.report, server.global_P)
         clock["gather"] = time.perf_counter()
-        diagnostics, train_loss, stacks = server.aggregate(round_idx, rows, reported, schedule.reporting(round_idx),
-                                                           run.checkpoints.last)
+        # rank 0: the round's checks, losses and client columns read from the device once
+        diagnostics, train_loss, stacks, seconds_K = server.aggregate(
+            round_idx, rows, reported, schedule.reporting(round_idx), run.checkpoints.last, train_time_K)
+        train_s_R = per_rank_seconds(seconds_K, reported, plan.per_rank) if comm.is_main else None
         clock["aggregate"] = time.perf_counter()
         server.publish()
         diagnostics |= arrived | schedule.advanced(plan)
@@ -103,11 +106,13 @@ def train_clients(run: Run, comm, plan: RoundPlan, rows_MF: torch.Tensor) -> Non
                             run.client_states.client(cid) if home else visiting.get(cid, {}), task=run.task)
         return Job(i, ctx, run.data.train[cid], begin.seed, plan.work_of[cid], report.views(rows_MF[i]))
 
+    trained = []
     for group in plan.groups:
         jobs = [j for j in map(job, group) if j is not None]
         if jobs:
             run.trainer.train(jobs)
-            report.pack_group(rows_MF, [j.row for j in jobs], [j.out for j in jobs])
+            trained += jobs
+    report.pack_round(rows_MF, [j.row for j in trained], [j.out for j in trained])  # one copy a round
     send_home(comm, run.client_states, moves, visiting)
 
 

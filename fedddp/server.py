@@ -16,10 +16,13 @@ import math
 
 import torch
 
-from . import participation, strategies
+from . import logs, participation, strategies
 from .errors import PluginError
 from .report import ReportLayout
 from .verdict import agree_with_rank_zero, diverged
+
+# the report columns clients.jsonl writes of each client (logs.py), read with the round's checks
+CLIENT_COLUMNS = ("train_loss_K", "train_time_K", "num_samples_K", "num_steps_K")
 
 
 class Server:
@@ -44,32 +47,50 @@ class Server:
             self._rows_grown(rows_per_rank)
         return self.rows_buffer[:rows_per_rank]
 
-    def aggregate(self, round_idx: int, rows, reported: list[int], reporting: bool, last_ckpt: str | None):
+    def aggregate(self, round_idx: int, rows, reported: list[int], reporting: bool, last_ckpt: str | None,
+                  train_time_K: torch.Tensor | None = None):
         """The server rule (a round without reports leaves model and state as they were, but for
         a private rule under Poisson sampling, whose noise is released every round), then every
         rank learns whether the rule failed or the run diverged: a non-finite model or loss ends
         the run before this round writes anything. ``reporting``: the round evaluates, so the
-        privacy spent is written with its accuracy. Returns (diagnostics, train loss, stacks)."""
-        diagnostics, train_loss, stacks, error = {}, None, {}, None
+        privacy spent is written with its accuracy. ``train_time_K``: ``exchange``'s seconds of
+        each client. Returns (diagnostics, train loss, client columns, seconds of each client).
+        On rank 0 the round's checks, losses, client columns and diagnostics are read from the
+        device at once (``read_once``: one wait on a GPU, not one a value): the diagnostics and
+        columns come back as host values (floats, lists), the seconds as a list; other ranks get
+        their own (diagnostics, None, stacks, None)."""
+        diagnostics, train_loss_t, stacks, error = {}, None, {}, None
         if self.aggregates_here():
             try:
                 if reported or self.every_round:
                     stacks, diagnostics = self._apply(rows)
                 if reported:
-                    train_loss = (strategies.client_weights_K(stacks, self.hp) @ stacks["train_loss_K"]).item()
+                    train_loss_t = strategies.client_weights_K(stacks, self.hp) @ stacks["train_loss_K"]
                 if self.comm.is_main:
                     diagnostics.update(self._state_rows(reporting))
             except PluginError as exc:  # a plugin rule's own failure: every rank ends with its status
                 error = exc
-        failed_elsewhere, model_finite = self._failures_and_finite(error)
+        flags = self._failure_flags(error)
+        train_loss, seconds = None, None
         if self.comm.is_main and error is None:
+            # keyed by (part, name): a rule's diagnostic may share a name with a column
+            parts = {("round", "flags"): flags, ("round", "train_loss"): train_loss_t,
+                     ("round", "seconds"): train_time_K} \
+                | {("column", k): stacks[k] for k in CLIENT_COLUMNS if k in stacks} \
+                | {("diagnostic", k): v for k, v in diagnostics.items()}
+            read = read_once(parts, self.global_P.device, as_lists={("round", "seconds")} | {
+                (part, k) for part, k in parts if part == "column" or logs.per_client_name(k)})
+            train_loss, seconds = read["round", "train_loss"], read["round", "seconds"]
+            stacks = {k: v for (part, k), v in read.items() if part == "column"}
+            diagnostics = {k: v for (part, k), v in read.items() if part == "diagnostic"}
+            failed_elsewhere, model_finite = read["round", "flags"][0] > 0, read["round", "flags"][1] == 0
             if failed_elsewhere:
                 error = PluginError(f"algorithm.name: the server rule {self.strategy.name} raised on another rank "
                                     "(see its message)")
             elif not (model_finite and (train_loss is None or math.isfinite(train_loss))):
                 error = diverged(round_idx, train_loss, model_finite, last_ckpt, *self.lrs)
         agree_with_rank_zero(self.comm, error)
-        return diagnostics, train_loss, stacks
+        return diagnostics, train_loss, stacks, seconds
 
     def _state_rows(self, reporting: bool) -> dict:
         """Rank 0's rows on the server state itself: the rule's ledger (every round) and the
@@ -90,7 +111,7 @@ class Server:
     def _rows_grown(self, rows_per_rank: int) -> None: ...
     def aggregates_here(self) -> bool: ...
     def _apply(self, rows) -> tuple[dict, dict]: ...
-    def _failures_and_finite(self, error) -> tuple[bool, bool]: ...
+    def _failure_flags(self, error) -> torch.Tensor | None: ...
     def exchange(self, plan, rows_MF: torch.Tensor): ...
     def publish(self) -> None: ...
     def checkpoint_parts(self) -> tuple[dict, dict | None]: ...
@@ -116,8 +137,9 @@ class GatheredServer(Server):
 
     def exchange(self, plan, rows_MF: torch.Tensor):
         """All ranks' rows to rank 0, in client-id order, less the rows of the clients past the
-        deadline: (rows_KF, the reporting clients, each rank's training seconds); on other ranks
-        (None, the reporting clients, None)."""
+        deadline: (rows_KF, the reporting clients, the seconds each of them trained, on the
+        device: ``aggregate`` reads them with the rest); on other ranks (None, the reporting
+        clients, None)."""
         comm = self.comm
         gathered = self.gather_buffer[:comm.world_size * plan.rows_per_rank] if self.gather_buffer is not None else None
         rows_KF = comm.gather_rows(rows_MF, gathered)
@@ -126,11 +148,11 @@ class GatheredServer(Server):
         slices, reported = self.report.slices, plan.reporting
         if plan.row_order != list(range(rows_KF.shape[0])):
             rows_KF = rows_KF[torch.tensor(plan.row_order, dtype=torch.long, device=comm.device)]
-        train_s_R = per_rank_seconds(rows_KF[:, slices["train_time_K"]][:, 0], plan.reporting, plan.per_rank)
         if plan.deadline_steps:
             keep = participation.reporting_rows(rows_KF[:, slices["num_steps_K"]][:, 0], plan.deadline_steps)
             rows_KF, reported = rows_KF[keep], [plan.reporting[i] for i in keep.tolist()]
-        return rows_KF, reported, train_s_R
+        train_time_K = rows_KF[:, slices["train_time_K"]][:, 0]  # the stragglers' 0 s left out
+        return rows_KF, reported, train_time_K
 
     def aggregates_here(self) -> bool:
         return self.comm.is_main
@@ -140,9 +162,14 @@ class GatheredServer(Server):
         self.global_P, self.state, diagnostics = self.strategy.aggregate(self.global_P, stacks, self.state, self.hp)
         return stacks, diagnostics
 
-    def _failures_and_finite(self, error) -> tuple[bool, bool]:
-        # only rank 0 ran the rule: no other rank can have failed, and only its model is new
-        return False, not self.comm.is_main or error is not None or bool(torch.isfinite(self.global_P).all())
+    def _failure_flags(self, error) -> torch.Tensor | None:
+        """[a rank failed, the model is not finite] on the device, for ``read_once``; only rank 0
+        ran the rule: no other rank can have failed, and only its model is new."""
+        if not self.comm.is_main or error is not None:
+            return None
+        flags = torch.zeros(2, dtype=torch.float64, device=self.global_P.device)
+        flags[1] = torch.isfinite(self.global_P).all().logical_not()
+        return flags
 
     def publish(self) -> None:
         self.global_P = self.global_P.contiguous()
@@ -175,11 +202,40 @@ class GatheredServer(Server):
         self.strategy.aggregate(global_P.clone(), stacks, self.strategy.init_state(global_P.clone(), hp), hp)
 
 
-def per_rank_seconds(train_time_K: torch.Tensor, sampled: list[int], per_rank: list[list[int]]) -> list[float]:
-    """Each rank's seconds of local training this round, from the clients' rows."""
+def per_rank_seconds(train_time_K: list[float], sampled: list[int], per_rank: list[list[int]]) -> list[float]:
+    """Each rank's seconds of local training this round, from the clients' rows (read on the host)."""
     rank_of = {c: r for r, clients in enumerate(per_rank) for c in clients}
     seconds = [0.0] * len(per_rank)
-    for cid, sec in zip(sampled, train_time_K.tolist()):
+    for cid, sec in zip(sampled, train_time_K):
         seconds[rank_of[cid]] += sec
     return seconds
 
+
+def read_once(parts: dict, device: torch.device, as_lists=()) -> dict:
+    """The round's host values in one read from the device: every floating tensor of ``parts``
+    on ``device`` flattened into one float64 vector and read with a single ``.tolist()`` (float64
+    holds every float32 value exactly, so each comes back as its own ``.item()`` would), then
+    cut back as ``.tolist()`` gives them for the keys ``as_lists``, and for the others as
+    logs.to_json does (a one-element tensor a float, others ``.tolist()``). Other values (None,
+    Python numbers, integer tensors, tensors on the host) as they are."""
+    read = {k: v for k, v in parts.items()
+            if isinstance(v, torch.Tensor) and v.device == device and v.is_floating_point()}
+    if not read:
+        return dict(parts)
+    flat = torch.cat([v.detach().reshape(-1).to(torch.float64) for v in read.values()]).tolist()
+    out, at = dict(parts), 0
+    for key, value in read.items():
+        n = value.numel()
+        out[key] = flat[at] if n == 1 and key not in as_lists else _nested(flat[at:at + n], list(value.shape))
+        at += n
+    return out
+
+
+def _nested(flat: list, shape: list[int]) -> list:
+    """``flat`` in ``shape``, as ``.tolist()`` nests it."""
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]

@@ -37,7 +37,7 @@ import torch
 from .blocks import block_range, column_ranges, num_blocks
 from .flat import runs_within
 from .report import RangeRow
-from .server import Server, per_rank_seconds
+from .server import Server
 from .strategies import Span, Strategy
 
 
@@ -107,12 +107,12 @@ class ShardedServer(Server):
 
     def exchange(self, plan, rows_MF: torch.Tensor):
         """Every reported client's row cut to this rank's range, in client-id order, on every rank:
-        ([K, X], the reported clients, on rank 0 each rank's training seconds, else None)."""
+        ([K, X], the reported clients, on rank 0 the seconds each of them trained (on the device:
+        ``aggregate`` reads them with the rest), else None)."""
         rows_KX, reported = self._exchange(plan, rows_MF)
         if not self.comm.is_main:
             return rows_KX, reported, None
-        train_time_K = self.mine.unpack(rows_KX)["train_time_K"]  # stragglers' 0 s left out
-        return rows_KX, reported, per_rank_seconds(train_time_K, reported, plan.per_rank)
+        return rows_KX, reported, self.mine.unpack(rows_KX)["train_time_K"]  # stragglers send none
 
     def _exchange(self, plan, rows_MF: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Every rank sends the pieces of its own rows to their ranks."""
@@ -158,14 +158,15 @@ class ShardedServer(Server):
         self.pending = (new_range, self.state)
         return stacks, diagnostics
 
-    def _failures_and_finite(self, error) -> tuple[bool, bool]:
-        """Every rank ran the rule on its range: one all-reduce says whether any failed, and
-        whether any range is not finite."""
-        finite = self.pending is None or bool(torch.isfinite(self.pending[0]).all())
-        flags = torch.tensor([float(error is not None), float(not finite)], dtype=torch.float64,
-                             device=self.comm.device)
+    def _failure_flags(self, error) -> torch.Tensor:
+        """Every rank ran the rule on its range: one all-reduce of [ranks that failed, ranges not
+        finite], left on the device for rank 0's one read (``read_once``)."""
+        flags = torch.zeros(2, dtype=torch.float64, device=self.comm.device)
+        flags[0] = float(error is not None)
+        if self.pending is not None:
+            flags[1] = torch.isfinite(self.pending[0]).all().logical_not()
         self.comm.all_reduce_sum_(flags)
-        return flags[0].item() > 0, flags[1].item() == 0
+        return flags
 
     def publish(self) -> None:
         """The pending ranges all-gathered: the new [P] model and the new state, client-visible

@@ -32,6 +32,10 @@ class RankZeroRefused(UserError):
 def agree_with_rank_zero(comm, error: Exception | None, value: int = 0) -> int:
     """Rank 0's verdict (its error's exit status, or 0 and ``value``) reaches every rank, so no
     rank waits forever at the next collective for a rank 0 that has stopped."""
+    if comm.world_size == 1:  # no other rank to tell: no tensor made, none read
+        if error is not None:
+            raise error
+        return int(value)
     verdict = torch.tensor([float(getattr(error, "exit_code", 1) if error else 0), float(value)],
                            dtype=torch.float64, device=comm.device)
     comm.broadcast_(verdict)
