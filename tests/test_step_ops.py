@@ -30,6 +30,20 @@ def test_a_step_dispatches_at_most_a_quarter_more_ops_than_its_math(case):
     assert not {"aten::randperm", "aten::repeat_interleave", "aten::cumsum"} & set(row["fedddp_ops"])
 
 
+@pytest.mark.parametrize("case", ["sgd", "dropout", "batchnorm"])
+def test_a_bf16_step_casts_each_tensor_once(case):
+    """train.precision = bf16 side by side casts each tensor once a step (client/precision.py),
+    not once per operation as autocast under vmap did: its casts are the plain step's (each
+    parameter and the batch to bfloat16 at the top, the logits back; BatchNorm's input and
+    output; a dropout mask), and its ops at most 1.25x the plain step with those casts."""
+    row = step_ops.measure(case, 10, "cpu", "bf16")
+    assert row["casts"] == row["plain_casts"], (row["fedddp_ops"], row["plain_ops"])
+    assert row["fedddp"] <= 1.25 * row["plain"], (row["fedddp_ops"], row["plain_ops"])
+    if case == "sgd":  # T parameters and the batch down, the logits up; the backward: each but the batch
+        params = len(list(step_ops.model_of(case, torch).parameters()))
+        assert row["casts"] == 2 * params + 3
+
+
 @pytest.mark.parametrize("per_step", [False, True], ids=["masks once a group", "masks each step"])
 def test_dropouts_masks_do_not_grow_with_the_clients(monkeypatch, per_step):
     """A group's dropout masks, every client's and step's, are one draw a layer (no op of them in

@@ -364,6 +364,12 @@ class BatchedTrainer:
         # warm-up, try_step) none of the rule's entries and the configured hp.
         self.step_keys = rules.step_keys(rule)
         self.group = _Group({}, {}, 0, training.hp)
+        # train.precision = bf16: the dtype each forward casts its parameters and batch to, once
+        # (client/precision.py); BatchNorm's weight and bias stay float32, as its statistics
+        self.compute_dtype = precision.compute_dtype(training.train.precision)
+        norm_params = {f"{name}.{key}" for name, m in self.batch_norms.items()
+                       for key, _ in m.named_parameters(recurse=False)}
+        self.lowered = [e.name not in norm_params for e in self.param_entries]
 
         def data_loss(params_T, buffers_T, x, y, mask, count, drops):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, {}, [])
@@ -390,9 +396,14 @@ class BatchedTrainer:
         self.batch.mask, self.batch.count, self.batch.names, self.batch.stats = mask, count, [], []
         self.batch.drops = drops
         net.train(training)
+        dtype = self.compute_dtype
+        if dtype is not None:  # bf16: one cast a tensor here, their gradients float32 again through it
+            params_T = [precision.lowered(p, dtype) if low else p for p, low in zip(params_T, self.lowered)]
+            x = precision.lowered(x, dtype)
         tensors = dict(zip([prefix + n for n in self.names], list(params_T) + list(buffers_T)))
         try:
-            return functional_call(net, tensors, (x,))
+            out = functional_call(net, tensors, (x,))
+            return out if dtype is None else precision.raised(out)  # the loss in float32
         finally:  # no tensor of the transforms stays on the trainer (torch.compile refuses that)
             self.batch.mask = self.batch.count = None
             self.batch.drops = {}
@@ -470,7 +481,7 @@ class BatchedTrainer:
         mask = torch.ones(rows, width, device=device)
         drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
         self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
-        with precision.local(tc.precision, device):
+        with precision.side_by_side(tc.precision, device):
             if self.step_keys:
                 self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops), shape)
             else:
@@ -691,7 +702,7 @@ class BatchedTrainer:
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
         live, replaced = list(range(B)), set()
-        local = precision.local(tc.precision, device)
+        local = precision.side_by_side(tc.precision, device)
         for step in range(max(steps_B)):
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
@@ -709,7 +720,7 @@ class BatchedTrainer:
             shape = _Shape(self._width_parts(sizes, device), len(set(sizes)) == 1)
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            with local:  # train.precision, as train_client's steps
+            with local:  # train.precision: TF32 on CUDA (bf16 casts inside the loss, _forward)
                 grads_T, loss_L, stats = self._gradients(stacks, (x, y, mask, count, drops), shape)
                 step_view = _Step(self, stacks, self.group, grads_T, (x, y, mask, count, drops), shape)
                 direction_T = list(rule.direction(step_view))
