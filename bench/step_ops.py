@@ -32,8 +32,10 @@ fedddp's counts (a count, never a time).
 the plain step plus the casts its math needs in bfloat16: each parameter and the batch cast to
 bfloat16 once at the top of the loss, the logits back to float32 for the loss (BatchNorm: its
 input to float32 and its output back, its weight and bias float32), each cast's backward one
-more. The ``casts`` column counts fedddp's ``aten::to`` and ``aten::_to_copy`` a step: equal to
-the plain step's, they are one a tensor a step, none per convolution or linear call.
+more. The ``casts`` column counts the dtype conversions a step (``CASTS``), fedddp's and the
+plain step's: fedddp casts every parameter of every client down in one ``_foreach_copy_`` and
+their gradients up in another, so its casts do not grow with the model's tensors, and none runs
+per convolution or linear call.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ UNCOUNTED = frozenset({
     "aten::_reshape_alias", "aten::set_", "aten::unflatten", "aten::numpy_T", "aten::movedim",
 })
 CASES = ("sgd", "momentum", "adam", "fedprox", "scaffold", "dropout", "batchnorm")
-CASTS = ("aten::to", "aten::_to_copy")  # a dtype conversion, as the profiler names it at top level
+# a dtype conversion, as the profiler names it at top level (a foreach copy: every tensor of a list)
+CASTS = ("aten::to", "aten::_to_copy", "aten::_foreach_copy_")
 BATCH = 10
 SAMPLES = 40  # a client's samples: 4 full batches an epoch
 

@@ -383,8 +383,11 @@ class BatchedTrainer:
         # per client: (gradients of the loss, (the loss, aux)) at its own parameters, batch, dropout
         # masks and rule inputs (``inputs``: the group's per-client stacks of the rule's entries);
         # the task's loss alone for extra passes (SAM) and try_step
-        self._data = vmap(grad_and_value(data_loss, has_aux=True))
-        self._rule_grads = vmap(grad_and_value(rule_loss, has_aux=True))
+        # (bf16: the parameters and batch cast for all clients before the call, precision.in_dtype)
+        self._data = precision.in_dtype(vmap(grad_and_value(data_loss, has_aux=True)), self.compute_dtype,
+                                        self.lowered)
+        self._rule_grads = precision.in_dtype(vmap(grad_and_value(rule_loss, has_aux=True)), self.compute_dtype,
+                                              self.lowered)
         # run.compile: the rule's gradients compiled once, on first use (``_gradients``)
         self.compiled = Compiled(self._rule_grads, training.clients, training.train.batch_size) \
             if training.compile else None
@@ -397,7 +400,7 @@ class BatchedTrainer:
         self.batch.drops = drops
         net.train(training)
         dtype = self.compute_dtype
-        if dtype is not None:  # bf16: one cast a tensor here, their gradients float32 again through it
+        if dtype is not None:  # bf16: a step's parameters come cast (precision.in_dtype), a frozen model's here
             params_T = [precision.lowered(p, dtype) if low else p for p, low in zip(params_T, self.lowered)]
             x = precision.lowered(x, dtype)
         tensors = dict(zip([prefix + n for n in self.names], list(params_T) + list(buffers_T)))

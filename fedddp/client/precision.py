@@ -81,6 +81,39 @@ def lowered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
+def converted(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Copies of ``tensors`` in ``dtype`` by one ``torch._foreach_copy_`` (one multi-tensor kernel
+    on CUDA however many tensors, where a cast each would launch one a tensor)."""
+    out = [torch.empty_like(t, dtype=dtype) for t in tensors]
+    if out:
+        torch._foreach_copy_(out, tensors)
+    return out
+
+
+def in_dtype(gradients, dtype: torch.dtype | None, which: list[bool]):
+    """``gradients`` (``vmap(grad_and_value(loss))`` over ``(params_T, buffers_T, x, *rest)``,
+    its gradients a list like params_T) run on the parameters where ``which`` is true and the
+    batch x in ``dtype``, those gradients handed back in float32: the casts of a step, one
+    foreach copy down and one up for all of its parameters. The loss sees the parameters as
+    they are (``lowered`` in _forward then casts nothing); the same gradients as a cast inside
+    the loss, whose backward is the cast of the bfloat16 gradient. ``gradients`` itself when
+    ``dtype`` is None (fp32: nothing changes)."""
+    if dtype is None:
+        return gradients
+    where = [i for i, low in enumerate(which) if low]
+
+    def run(params_T, buffers_T, x, *rest):
+        params_T = list(params_T)
+        for i, t in zip(where, converted([params_T[i] for i in where], dtype)):
+            params_T[i] = t
+        grads_T, value = gradients(params_T, buffers_T, lowered(x, dtype), *rest)
+        grads_T = list(grads_T)
+        for i, g in zip(where, converted([grads_T[i] for i in where], torch.float32)):
+            grads_T[i] = g
+        return grads_T, value
+    return run
+
+
 def raised(outputs):
     """The floating tensors of ``outputs`` (a tensor, or a tuple of them) below float32 in
     float32: a forward's logits and representations, so the loss is computed in float32."""
