@@ -75,3 +75,48 @@ def test_contexts():
 def test_unknown_precision_is_a_config_error():
     with pytest.raises(Exception, match="train.precision"):
         checks.load(QUICKSTART, ["train.precision=fp16"])
+
+
+@pytest.mark.parametrize("role, shape", [("input", (3, 4, 5, 6, 7)), ("weight", (3, 8, 5, 3, 3))])
+def test_channels_last_stacks_fold_into_channels_last_views(role, shape):
+    """models/layout.py: the stacked input and weight of a side-by-side convolution, copied into
+    their layouts, fold (as vmap hands them to the kernel) into channels-last views of the same
+    memory, with the values of the copy; a contiguous stack folds into an NCHW tensor."""
+    from fedddp.models import layout
+
+    src = torch.randn(shape)
+    laid = layout.channels_last_empty(src, torch.bfloat16, role).copy_(src)
+    assert laid.shape == src.shape and torch.equal(laid.float(), src.bfloat16().float())
+    fold = layout.folded(laid, role)
+    assert fold.data_ptr() == laid.data_ptr()  # a view: no copy before the kernel
+    assert fold.is_contiguous(memory_format=torch.channels_last)
+    assert not layout.folded(src, role).is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="5 dimensions"):
+        layout.channels_last_empty(src[0], torch.bfloat16, role)
+
+
+@pytest.mark.e2e
+def test_channels_last_bf16_steps_equal_contiguous_ones(tmp_path, monkeypatch):
+    """The channels-last layout CUDA's bf16 steps take (precision.CHANNELS_LAST_DEVICES), run on
+    CPU: the same model to bfloat16's rounding (the kernels sum in another order), gradients
+    handed back in the stacks' own layout (a foreach update over them stays one op)."""
+    from fedddp.models import layout
+
+    contiguous_P = final_P(tmp_path / "contiguous", CNN, "bf16", 3)
+    monkeypatch.setattr(precision, "CHANNELS_LAST_DEVICES", ("cpu",))
+    roles, copied, empty = [], precision._copied, layout.channels_last_empty
+
+    def watched(dests, sources):
+        out = copied(dests, sources)
+        assert all(d.stride() == s.stride() for d, s in zip(out, sources) if d.dtype == torch.float32)
+        return out
+
+    def laid_out(like, dtype, role):
+        roles.append(role)
+        return empty(like, dtype, role)
+    monkeypatch.setattr(precision, "_copied", watched)
+    monkeypatch.setattr(layout, "channels_last_empty", laid_out)
+    channels_last_P = final_P(tmp_path / "channels_last", CNN, "bf16", 3)
+    assert {"input", "weight"} <= set(roles)  # SmallCNN's conv weight and its images were laid out
+    scale = contiguous_P.abs().max().item()
+    assert (channels_last_P - contiguous_P).abs().max().item() <= BF16_TOL * scale

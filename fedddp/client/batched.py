@@ -370,6 +370,8 @@ class BatchedTrainer:
         norm_params = {f"{name}.{key}" for name, m in self.batch_norms.items()
                        for key, _ in m.named_parameters(recurse=False)}
         self.lowered = [e.name not in norm_params for e in self.param_entries]
+        conv_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+        self.conv_weights = [e.name in conv_weights for e in self.param_entries]  # laid out channels-last on CUDA
 
         def data_loss(params_T, buffers_T, x, y, mask, count, drops):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, {}, [])
@@ -384,10 +386,9 @@ class BatchedTrainer:
         # masks and rule inputs (``inputs``: the group's per-client stacks of the rule's entries);
         # the task's loss alone for extra passes (SAM) and try_step
         # (bf16: the parameters and batch cast for all clients before the call, precision.in_dtype)
-        self._data = precision.in_dtype(vmap(grad_and_value(data_loss, has_aux=True)), self.compute_dtype,
-                                        self.lowered)
-        self._rule_grads = precision.in_dtype(vmap(grad_and_value(rule_loss, has_aux=True)), self.compute_dtype,
-                                              self.lowered)
+        casts = (self.compute_dtype, self.lowered, self.conv_weights)
+        self._data = precision.in_dtype(vmap(grad_and_value(data_loss, has_aux=True)), *casts)
+        self._rule_grads = precision.in_dtype(vmap(grad_and_value(rule_loss, has_aux=True)), *casts)
         # run.compile: the rule's gradients compiled once, on first use (``_gradients``)
         self.compiled = Compiled(self._rule_grads, training.clients, training.train.batch_size) \
             if training.compile else None

@@ -4,16 +4,20 @@
 - tf32: on CUDA, float32 matmuls and convolutions on TensorFloat-32 tensor cores while the local
   steps run (the flags are set around them and restored, so evaluation stays float32); on CPU
   nothing changes;
-- bf16, side by side (client/batched.py): each forward inside the vmapped loss casts the
-  client's parameters and its batch to bfloat16 once (``lowered``: one cast a tensor a pass,
-  whose backward is one cast of its gradient back to float32), runs the forward and backward in
-  bfloat16 without autocast, and returns its outputs in float32 (``raised``), so the loss, its
-  mean and everything after the forward are float32. BatchNorm's weight and bias stay float32,
-  and its statistics (batch mean and variance, the running ones) are computed in float32
-  (client/masked.py), its output cast back to bfloat16 for the next layer. torch.autocast is
-  what this replaces: under ``vmap(grad)`` its cast cache (leaf tensors only) never hits, so it
-  cast each weight at each use, a kernel more per operation, and made side by side slower than
-  fp32 on an H100 (BENCHMARKS.md);
+- bf16, side by side (client/batched.py): before each vmapped gradient call every client's
+  parameters are cast to bfloat16 in one ``torch._foreach_copy_`` and the batch in one cast, and
+  the gradients (of the bfloat16 copies) come back to float32 in another foreach copy
+  (``in_dtype``): a step's casts are two ops whatever the model's tensors, one multi-tensor
+  kernel each on CUDA. Inside, the forward and backward run in bfloat16 without autocast, and
+  the forward's outputs return in float32 (``raised``), so the loss, its mean and everything
+  after the forward are float32. BatchNorm's weight and bias stay float32, and its statistics
+  (batch mean and variance, the running ones) are computed in float32 (client/masked.py), its
+  output cast back to bfloat16 for the next layer; a frozen model's parameters (MOON) are cast
+  inside, once a pass (``lowered``). On CUDA (``CHANNELS_LAST_DEVICES``) the copies lay the 2-d
+  convolutions' weights and a batch of images out channels-last (models/layout.py).
+  torch.autocast is what this replaces: under ``vmap(grad)`` its cast cache (leaf tensors only)
+  never hits, so it casts each weight at each use, inside each layer's op, and side by side in
+  bf16 was slower than fp32 on an H100 (BENCHMARKS.md);
 - bf16, one after another (``train_client``): ``torch.autocast(device_type, dtype=bfloat16)``
   around each step's loss and gradient (the extra passes of SAM, GAM and FedSMOO included). On
   an ordinary module autocast casts each weight where a layer uses it, once a pass for these
@@ -25,9 +29,10 @@ Parameters (the master weights), optimizer state, directions and report rows sta
 both paths: the gradients reach the float32 tensors through the casts. SCAFFOLD option I's start
 gradient, CGW's full-batch gradient and evaluation run in float32.
 
-Where bf16 cannot pay: on CPU (no bfloat16 matrix units on most CPUs: the casts are pure extra
-work) and for small models whose GPU step is bound by kernel launches rather than arithmetic
-(the casts are launches too). BENCHMARKS.md has the figures.
+Where bf16 cannot pay: on a CPU without bfloat16 units (AMX, AVX512-BF16: the casts are then
+pure extra work), and for small models whose step is bound by per-operation overhead or, on a
+GPU, by kernel launches rather than arithmetic (the casts are operations too). docs/running.md
+has the figures.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import contextlib
 
 import torch
 from torch.utils._pytree import tree_map
+
+from ..models import layout
 
 _DTYPES = {"bf16": torch.bfloat16}
 
@@ -81,34 +88,49 @@ def lowered(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
 
 
-def converted(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Copies of ``tensors`` in ``dtype`` by one ``torch._foreach_copy_`` (one multi-tensor kernel
-    on CUDA however many tensors, where a cast each would launch one a tensor)."""
-    out = [torch.empty_like(t, dtype=dtype) for t in tensors]
-    if out:
-        torch._foreach_copy_(out, tensors)
-    return out
+# Devices where a bf16 step of a model with 2-d convolutions lays their weights and the batch
+# out channels-last as it casts them (models/layout.py): cuDNN's bfloat16 tensor-core kernels
+# read NHWC. On CPU the stacks stay contiguous (oneDNN was not measured faster with them).
+CHANNELS_LAST_DEVICES = ("cuda",)
 
 
-def in_dtype(gradients, dtype: torch.dtype | None, which: list[bool]):
+def _copied(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``dests`` filled from ``sources`` by one ``torch._foreach_copy_`` (casting as it copies:
+    one multi-tensor kernel on CUDA where a cast a tensor would launch one each)."""
+    if dests:
+        torch._foreach_copy_(dests, sources)
+    return dests
+
+
+def in_dtype(gradients, dtype: torch.dtype | None, which: list[bool], conv_weights: list[bool]):
     """``gradients`` (``vmap(grad_and_value(loss))`` over ``(params_T, buffers_T, x, *rest)``,
     its gradients a list like params_T) run on the parameters where ``which`` is true and the
-    batch x in ``dtype``, those gradients handed back in float32: the casts of a step, one
-    foreach copy down and one up for all of its parameters. The loss sees the parameters as
-    they are (``lowered`` in _forward then casts nothing); the same gradients as a cast inside
-    the loss, whose backward is the cast of the bfloat16 gradient. ``gradients`` itself when
-    ``dtype`` is None (fp32: nothing changes)."""
+    batch x in ``dtype``, those gradients handed back in float32 in the parameters' layout: the
+    casts of a step, one foreach copy down and one up for all of its parameters. The loss sees
+    the parameters as they are (``lowered`` in _forward then casts nothing); the same gradients
+    as a cast inside the loss, whose backward is the cast of the bfloat16 gradient. On a device
+    of CHANNELS_LAST_DEVICES the 2-d convolutions' weights (``conv_weights``) and a batch of
+    images are laid out channels-last by the same copies. ``gradients`` itself when ``dtype`` is
+    None (fp32: nothing changes)."""
     if dtype is None:
         return gradients
     where = [i for i, low in enumerate(which) if low]
+    convs = [conv_weights[i] for i in where]
 
     def run(params_T, buffers_T, x, *rest):
+        channels_last = any(convs) and x.device.type in CHANNELS_LAST_DEVICES
+        sources = [params_T[i] for i in where]
         params_T = list(params_T)
-        for i, t in zip(where, converted([params_T[i] for i in where], dtype)):
+        dests = [layout.channels_last_empty(t, dtype, "weight") if channels_last and conv
+                 else torch.empty_like(t, dtype=dtype) for t, conv in zip(sources, convs)]
+        for i, t in zip(where, _copied(dests, sources)):
             params_T[i] = t
+        if channels_last and x.dim() == 5 and x.is_floating_point():  # [L, N, C, H, W] images
+            x = layout.channels_last_empty(x, dtype, "input").copy_(x)
         grads_T, value = gradients(params_T, buffers_T, lowered(x, dtype), *rest)
         grads_T = list(grads_T)
-        for i, g in zip(where, converted([grads_T[i] for i in where], torch.float32)):
+        ups = [torch.empty_like(t) for t in sources]  # float32, as the stacks the optimizer updates
+        for i, g in zip(where, _copied(ups, [grads_T[i] for i in where])):
             grads_T[i] = g
         return grads_T, value
     return run
@@ -128,5 +150,6 @@ def words(precision: str, device) -> str:
     cpu = torch.device(device).type != "cuda"
     if precision == "tf32" and cpu:
         return "precision tf32 (no effect on CPU: float32)"
-    slower = " (on CPU it runs slower than fp32: BENCHMARKS.md)" if precision == "bf16" and cpu else ""
-    return f"local training in {precision} (float32 weights, optimizer state, reports and evaluation){slower}"
+    pays = "; on CPU it pays only with bfloat16 units (AMX, AVX512-BF16) and models larger than a small MLP " \
+        "(docs/running.md)" if precision == "bf16" and cpu else ""
+    return f"local training in {precision} (float32 weights, optimizer state, reports and evaluation){pays}"
