@@ -70,6 +70,7 @@ size (``fedddp.sampling.assign_groups``).
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 
@@ -284,6 +285,9 @@ def _check_buffers(model: nn.Module, layout: FlatLayout, model_name: str) -> Non
 
 
 
+# torch's words for an operation given two floating dtypes (float32 beside bfloat16)
+_MIXED_DTYPES = re.compile(r"dtype|scalar type|BFloat16|same type", re.IGNORECASE)
+
 # A group's dropout masks for all its steps are drawn at once up to this size (float32), each
 # step's own beyond it: at 100 clients of batch 10 and 25 steps, 64 MB is 640 values a sample.
 GROUP_DROPOUT_BYTES = 64 << 20
@@ -454,13 +458,18 @@ class BatchedTrainer:
         except RuntimeError as exc:
             where = f"its module {running[-1]} ({type(self.net.get_submodule(running[-1])).__name__})" \
                 if running and running[-1] else "its forward"
+            first, fix = str(exc).splitlines()[0], "set run.parallel_clients=1"
             if "random" in str(exc):
                 why = ("calls a random operation, which side by side cannot draw per client (nn.Dropout "
                        "layers can: their masks are drawn outside vmap)")
+            elif self.compute_dtype is not None and _MIXED_DTYPES.search(first):
+                # bf16 side by side casts the parameters and batch, not tensors the forward makes
+                why = f"mixes float32 tensors of its own with bfloat16 ones under train.precision = bf16 ({first})"
+                fix = "set train.precision=fp32, or run.parallel_clients=1 (autocast casts per operation there)"
             else:
-                why = f"does not run under torch.func.vmap ({str(exc).splitlines()[0]})"
-            raise ConfigError(f"run.parallel_clients: model.name = {self.training.model_name}: {where} {why}; set "
-                              "run.parallel_clients=1") from None
+                why = f"does not run under torch.func.vmap ({first})"
+            raise ConfigError(f"run.parallel_clients: model.name = {self.training.model_name}: {where} {why}; "
+                              f"{fix}") from None
         finally:
             for hook in hooks:
                 hook.remove()
