@@ -368,8 +368,8 @@ class BatchedTrainer:
         # warm-up, try_step) none of the rule's entries and the configured hp.
         self.step_keys = rules.step_keys(rule)
         self.group = _Group({}, {}, 0, training.hp)
-        # train.precision = bf16: the dtype each forward casts its parameters and batch to, once
-        # (client/precision.py); BatchNorm's weight and bias stay float32, as its statistics
+        # train.precision = bf16: the dtype a step's parameters and batch are cast to before the
+        # gradient call (client/precision.py); BatchNorm's weight and bias stay float32, as its statistics
         self.compute_dtype = precision.compute_dtype(training.train.precision)
         norm_params = {f"{name}.{key}" for name, m in self.batch_norms.items()
                        for key, _ in m.named_parameters(recurse=False)}
@@ -733,7 +733,7 @@ class BatchedTrainer:
             shape = _Shape(self._width_parts(sizes, device), len(set(sizes)) == 1)
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            with local:  # train.precision: TF32 on CUDA (bf16 casts inside the loss, _forward)
+            with local:  # train.precision: TF32 on CUDA (bf16 casts around the gradient call, precision.in_dtype)
                 grads_T, loss_L, stats = self._gradients(stacks, (x, y, mask, count, drops), shape)
                 step_view = _Step(self, stacks, self.group, grads_T, (x, y, mask, count, drops), shape)
                 direction_T = list(rule.direction(step_view))
