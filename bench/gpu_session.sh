@@ -69,9 +69,11 @@ step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c1
 step aggregation_scale 120 python3 bench/aggregation_scale.py --device cuda --ranks 1 --clients 8 32 64
 step parallel_clients 180 python3 bench/parallel_clients.py --device cuda
 # not in the default list (its time would push the later steps past DEADLINE): STEPS=parallel_clients_fast,
-# the side-by-side step compiled (run.compile) and in bf16 (train.precision), CNN and ResNet-18
+# the side-by-side step compiled (run.compile) and in bf16 (train.precision: parameters cast in one foreach
+# copy a step, convolutions channels-last; its casts counted on CUDA first), CNN and ResNet-18
 step parallel_clients_fast 240 bash -c "python3 bench/parallel_clients.py --device cuda --models cnn,resnet18 \
-    --clients 10,100 --compile; python3 bench/parallel_clients.py --device cuda --models cnn,resnet18 \
+    --clients 10,100 --compile; python3 bench/step_ops.py --device cuda --clients 100 --cases sgd,batchnorm \
+    --precision bf16; python3 bench/parallel_clients.py --device cuda --models cnn,resnet18 \
     --clients 10,100 --precision bf16"
 step round_vs_loop 120 python3 bench/round_vs_loop.py --data-root "$root"
 for B in 1 100 auto; do  # auto: the B run.parallel_clients=auto picks from free memory (its start line says); the runs' folders stay out of $OUT (a lease returns few files); their metrics join the log

@@ -14,7 +14,7 @@ reports) cancels, and what is paid once a client's epoch (its sample permutation
 ``randperm`` on a GPU run too) is spread over its steps.
 
     python bench/step_ops.py [--clients 10] [--cases sgd,momentum,adam,fedprox,scaffold,dropout,batchnorm]
-                             [--device cpu|cuda] [--by-kind]
+                             [--device cpu|cuda] [--precision fp32|bf16] [--by-kind]
 
 fedddp's batch index is built once a group, on the host (its clients' permutations come from
 their own CPU generators, ``randperm`` at each client's epoch), and moved to the device once:
@@ -27,6 +27,15 @@ nn.Dropout(0.5) before its last layer), ``batchnorm`` (a CNN with BatchNorm2d af
 convolution, flat buffers). Prints a row per case: fedddp's ops a step, the plain step's, and
 their ratio; ``--by-kind`` adds each one's count by op name. ``tests/test_step_ops.py`` pins
 fedddp's counts (a count, never a time).
+
+``--precision bf16``: fedddp's step with train.precision = bf16 (client/precision.py) against
+the plain step plus the casts its math needs in bfloat16: each parameter and the batch cast to
+bfloat16 once at the top of the loss, the logits back to float32 for the loss (BatchNorm: its
+input to float32 and its output back, its weight and bias float32), each cast's backward one
+more. The ``casts`` column counts the dtype conversions a step (``CASTS``), fedddp's and the
+plain step's: fedddp casts every parameter of every client down in one ``_foreach_copy_`` and
+their gradients up in another, so its casts do not grow with the model's tensors, and none runs
+per convolution or linear call.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ UNCOUNTED = frozenset({
     "aten::_reshape_alias", "aten::set_", "aten::unflatten", "aten::numpy_T", "aten::movedim",
 })
 CASES = ("sgd", "momentum", "adam", "fedprox", "scaffold", "dropout", "batchnorm")
+# a dtype conversion, as the profiler names it at top level (a foreach copy: every tensor of a list)
+CASTS = ("aten::to", "aten::_to_copy", "aten::_foreach_copy_")
 BATCH = 10
 SAMPLES = 40  # a client's samples: 4 full batches an epoch
 
@@ -95,15 +106,15 @@ def _with(case: str, nn):
     return nn.Sequential(*layers, nn.Linear(32, 10))
 
 
-def overrides_of(case: str, clients: int) -> list[str]:
+def overrides_of(case: str, clients: int, precision: str = "fp32") -> list[str]:
     out = ["data.name=mnist", f"train.batch_size={BATCH}", "train.lr=0.01", "data.num_clients=1000",
-           f"run.parallel_clients={clients}", "model.flat_buffers=true"]
+           f"run.parallel_clients={clients}", "model.flat_buffers=true", f"train.precision={precision}"]
     return out + {"momentum": ["train.momentum=0.9"], "adam": ["train.optimizer=adam"],
                   "fedprox": ["algorithm.name=fedprox", "algorithm.params.prox_mu=0.01"],
                   "scaffold": ["algorithm.name=scaffold"]}.get(case, [])
 
 
-def fedddp_step(case: str, clients: int, device, steps: int):
+def fedddp_step(case: str, clients: int, device, steps: int, precision: str = "fp32"):
     """A function that trains one group of ``clients`` side by side for ``steps`` steps."""
     import torch
 
@@ -114,7 +125,7 @@ def fedddp_step(case: str, clients: int, device, steps: int):
     from fedddp.flat import FlatLayout
     from fedddp.registry import resolve
 
-    cfg = checks.load(None, overrides_of(case, clients) + [f"train.local_steps={steps}"])
+    cfg = checks.load(None, overrides_of(case, clients, precision) + [f"train.local_steps={steps}"])
     model = model_of(case, torch).to(device)
     layout = FlatLayout(model, buffers=True)
     global_P = layout.flatten(model).clone()
@@ -142,10 +153,11 @@ def fedddp_step(case: str, clients: int, device, steps: int):
     return once
 
 
-def plain_step(case: str, clients: int, device):
+def plain_step(case: str, clients: int, device, precision: str = "fp32"):
     """One step of the math alone: the batch gathered, vmap(grad(loss)), the local rule's
     direction (FedProx, SCAFFOLD) and the optimizer as _foreach ops; Dropout's masks drawn at
-    once for all clients, BatchNorm's running statistics updated with one _foreach op."""
+    once for all clients, BatchNorm's running statistics updated with one _foreach op. bf16:
+    the casts its math needs, and no other (the module's docstring)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -171,20 +183,33 @@ def plain_step(case: str, clients: int, device):
     anchor_T = [p.clone() for p in params_T]
     correction_T = [torch.full_like(p, 1e-3) for p in params_T]
 
+    low = torch.bfloat16 if precision == "bf16" else None
+
+    def lowered(params, xb):  # bf16: each tensor cast once (BatchNorm's weight and bias stay float32)
+        if low is None:
+            return params, xb
+        return [p if case == "batchnorm" and i in (2, 3) else p.to(low) for i, p in enumerate(params)], xb.to(low)
+
+    def raised(out):  # bf16: the logits in float32 for the loss
+        return out if low is None else out.float()
+
     def loss(params, xb, yb, mask):
+        params, xb = lowered(params, xb)
         if case == "batchnorm":  # its batch statistics beside, for the running ones
             conv_w, conv_b, bn_w, bn_b, *rest = params
             h = F.conv2d(xb, conv_w, conv_b)
+            h = h if low is None else h.float()
             var_C, mean_C = torch.var_mean(h.detach(), dim=(0, 2, 3), correction=1)
             h = F.batch_norm(h, None, None, bn_w, bn_b, True, 0.0, 1e-5)
+            h = h if low is None else h.to(low)
             tail = model[2:]  # after the convolution and BatchNorm
             out = functional_call(tail, dict(zip([n for n, _ in tail.named_parameters()], rest)), (h,))
-            return F.cross_entropy(out, yb), (mean_C, var_C)
+            return F.cross_entropy(raised(out), yb), (mean_C, var_C)
         if case != "dropout":
-            return F.cross_entropy(functional_call(model, dict(zip(names, params)), (xb,)), yb), ()
+            return F.cross_entropy(raised(functional_call(model, dict(zip(names, params)), (xb,))), yb), ()
         hidden = functional_call(model[:-1], dict(zip(names, params[:-2])), (xb,))
         out = functional_call(model[-1], dict(zip(("weight", "bias"), params[-2:])), (hidden * mask,))
-        return F.cross_entropy(out, yb), ()
+        return F.cross_entropy(raised(out), yb), ()
     grads = vmap(grad(loss, has_aux=True))
     momentum_T = [torch.zeros_like(p) for p in params_T]
     exp_avg_T = [torch.zeros_like(p) for p in params_T]
@@ -192,7 +217,8 @@ def plain_step(case: str, clients: int, device):
 
     def once():
         x, y = samples_x[index], samples_y[index]
-        mask = (torch.rand(clients, BATCH, 32, device=device) < 0.5).float() / 0.5 if case == "dropout" else x
+        mask = (torch.rand(clients, BATCH, 32, device=device) < 0.5).to(low or torch.float32) / 0.5 \
+            if case == "dropout" else x
         g_T, stats = grads(params_T, x, y, mask)
         if case == "batchnorm":  # the running statistics: one update of all of them
             torch._foreach_lerp_(running_T, list(stats), 0.1)
@@ -223,13 +249,13 @@ def models_cnn(torch):
     return models.cnn((1, 28, 28), 10)
 
 
-def measure(case: str, clients: int, device_name: str) -> dict:
+def measure(case: str, clients: int, device_name: str, precision: str = "fp32") -> dict:
     import torch
 
     sys.path.insert(0, REPO)
     device = torch.device(device_name)
     short, long = 2, 6
-    runs = {steps: fedddp_step(case, clients, device, steps) for steps in (short, long)}
+    runs = {steps: fedddp_step(case, clients, device, steps, precision) for steps in (short, long)}
     for once in runs.values():
         once()  # warm-up: first calls set up what they cache
     counts = {steps: counted(once) for steps, once in runs.items()}
@@ -238,12 +264,13 @@ def measure(case: str, clients: int, device_name: str) -> dict:
         more, fewer = counts[long][which], counts[short][which]
         return collections.Counter({k: (more[k] - fewer[k]) / (long - short) for k in more | fewer
                                     if more[k] != fewer[k]})
-    plain = plain_step(case, clients, device)
+    plain = plain_step(case, clients, device, precision)
     plain()
     plain_ops = counted(plain)[0]
     ours, host, base = per_step(0), per_step(1), sum(plain_ops.values())
     return {"case": case, "fedddp": sum(ours.values()), "host": sum(host.values()), "plain": base,
-            "ratio": sum(ours.values()) / base, "fedddp_ops": ours, "host_ops": host, "plain_ops": plain_ops}
+            "ratio": sum(ours.values()) / base, "fedddp_ops": ours, "host_ops": host, "plain_ops": plain_ops,
+            "casts": sum(ours[k] for k in CASTS), "plain_casts": sum(plain_ops[k] for k in CASTS)}
 
 
 def main(argv=None) -> int:
@@ -251,16 +278,19 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, default=10)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                        help="train.precision of fedddp's step; the plain step gets the casts bf16 needs")
     parser.add_argument("--by-kind", action="store_true")
     args = parser.parse_args(argv)
-    print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}")
+    print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}, {args.precision}")
     print("fedddp: ops in its steps, a step; host: ops of its batch index built once a group on the host "
-          "(per step); plain: the math alone")
-    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6} {'host':>6}")
+          "(per step); plain: the math alone; casts: fedddp's dtype conversions a step (the plain step's)")
+    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6} {'host':>6} {'casts':>11}")
     for case in args.cases.split(","):
-        row = measure(case, args.clients, args.device)
-        print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f} {row['host']:>6.1f}",
-              flush=True)
+        row = measure(case, args.clients, args.device, args.precision)
+        casts = f"{row['casts']:g} ({row['plain_casts']:g})"
+        print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f} {row['host']:>6.1f} "
+              f"{casts:>11}", flush=True)
         if args.by_kind:
             for label, ops in (("fedddp", row["fedddp_ops"]), ("host", row["host_ops"]), ("plain", row["plain_ops"])):
                 print(f"  {label}: " + ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in ops.most_common()))

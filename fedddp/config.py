@@ -293,9 +293,15 @@ class TrainConfig:
     precision: str = opt("fp32", "Arithmetic of local training's forward and backward passes, one after another "
                                  "and side by side. fp32: float32 throughout. tf32: on CUDA, float32 matmuls "
                                  "and convolutions on TensorFloat-32 tensor cores during local steps (a no-op "
-                                 "on CPU). bf16: torch.autocast to bfloat16 around each step's loss and "
-                                 "gradient (CPU and CUDA). Weights, optimizer state, report rows and "
-                                 "evaluation stay float32 (fedddp/client/precision.py; docs/running.md).",
+                                 "on CPU). bf16: convolutions and linear layers in bfloat16, the loss and "
+                                 "BatchNorm statistics in float32 (side by side the parameters cast once a "
+                                 "step, channels-last on CUDA; one after another torch.autocast). It pays only "
+                                 "where bfloat16 units do the arithmetic (GPU tensor cores, CPUs with AMX or "
+                                 "AVX512-BF16) and the model is large enough: it cannot pay for small models "
+                                 "bound by per-op overhead (the FFNN, a small MLP: slower than fp32), on CPUs "
+                                 "without bfloat16 units, or in GPU steps bound by kernel launches. Weights, "
+                                 "optimizer state, report rows and evaluation stay float32 "
+                                 "(fedddp/client/precision.py; docs/running.md, BENCHMARKS.md).",
                          ("fp32", "tf32", "bf16"))
     local_work_min: int = opt(0, "Uneven local work: > 0 draws each sampled client's local epochs (local "
                                  "steps when local_steps > 0) every round uniformly from [local_work_min, "

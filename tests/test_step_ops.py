@@ -30,6 +30,24 @@ def test_a_step_dispatches_at_most_a_quarter_more_ops_than_its_math(case):
     assert not {"aten::randperm", "aten::repeat_interleave", "aten::cumsum"} & set(row["fedddp_ops"])
 
 
+@pytest.mark.parametrize("case", ["sgd", "dropout", "batchnorm"])
+def test_a_bf16_step_casts_each_tensor_once(case):
+    """train.precision = bf16 side by side casts each tensor once a step (client/precision.py):
+    every client's parameters down in one foreach copy and their gradients up in another, the
+    batch down and the logits up (and that cast's backward) once; BatchNorm's input and output
+    (each way); a dropout mask. No cast per convolution or linear call (autocast under vmap casts
+    a weight at each use, inside the layer's op), and its ops at most 1.25x the plain step with
+    the casts its math needs (one a tensor)."""
+    row = step_ops.measure(case, 10, "cpu", "bf16")
+    ops = row["fedddp_ops"]
+    batch_norm_casts = 4 if case == "batchnorm" else 0  # one BatchNorm layer: 2 casts forward, 2 backward
+    dropout_casts = 1 if case == "dropout" else 0  # the mask of the one dropout layer
+    assert ops["aten::_foreach_copy_"] == 2, ops
+    assert ops["aten::to"] + ops["aten::_to_copy"] == 3 + batch_norm_casts + dropout_casts, ops
+    assert row["casts"] <= row["plain_casts"], (ops, row["plain_ops"])
+    assert row["fedddp"] <= 1.25 * row["plain"], (ops, row["plain_ops"])
+
+
 @pytest.mark.parametrize("per_step", [False, True], ids=["masks once a group", "masks each step"])
 def test_dropouts_masks_do_not_grow_with_the_clients(monkeypatch, per_step):
     """A group's dropout masks, every client's and step's, are one draw a layer (no op of them in

@@ -70,6 +70,7 @@ size (``fedddp.sampling.assign_groups``).
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 
@@ -284,6 +285,9 @@ def _check_buffers(model: nn.Module, layout: FlatLayout, model_name: str) -> Non
 
 
 
+# torch's words for an operation given two floating dtypes (float32 beside bfloat16)
+_MIXED_DTYPES = re.compile(r"dtype|scalar type|BFloat16|same type", re.IGNORECASE)
+
 # A group's dropout masks for all its steps are drawn at once up to this size (float32), each
 # step's own beyond it: at 100 clients of batch 10 and 25 steps, 64 MB is 640 values a sample.
 GROUP_DROPOUT_BYTES = 64 << 20
@@ -364,6 +368,14 @@ class BatchedTrainer:
         # warm-up, try_step) none of the rule's entries and the configured hp.
         self.step_keys = rules.step_keys(rule)
         self.group = _Group({}, {}, 0, training.hp)
+        # train.precision = bf16: the dtype a step's parameters and batch are cast to before the
+        # gradient call (client/precision.py); BatchNorm's weight and bias stay float32, as its statistics
+        self.compute_dtype = precision.compute_dtype(training.train.precision)
+        norm_params = {f"{name}.{key}" for name, m in self.batch_norms.items()
+                       for key, _ in m.named_parameters(recurse=False)}
+        self.lowered = [e.name not in norm_params for e in self.param_entries]
+        conv_weights = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+        self.conv_weights = [e.name in conv_weights for e in self.param_entries]  # laid out channels-last on CUDA
 
         def data_loss(params_T, buffers_T, x, y, mask, count, drops):
             net = _NetAt(self, params_T, buffers_T, mask, count, drops, {}, [])
@@ -377,8 +389,10 @@ class BatchedTrainer:
         # per client: (gradients of the loss, (the loss, aux)) at its own parameters, batch, dropout
         # masks and rule inputs (``inputs``: the group's per-client stacks of the rule's entries);
         # the task's loss alone for extra passes (SAM) and try_step
-        self._data = vmap(grad_and_value(data_loss, has_aux=True))
-        self._rule_grads = vmap(grad_and_value(rule_loss, has_aux=True))
+        # (bf16: the parameters and batch cast for all clients before the call, precision.in_dtype)
+        casts = (self.compute_dtype, self.lowered, self.conv_weights)
+        self._data = precision.in_dtype(vmap(grad_and_value(data_loss, has_aux=True)), *casts)
+        self._rule_grads = precision.in_dtype(vmap(grad_and_value(rule_loss, has_aux=True)), *casts)
         # run.compile: the rule's gradients compiled once, on first use (``_gradients``)
         self.compiled = Compiled(self._rule_grads, training.clients, training.train.batch_size) \
             if training.compile else None
@@ -390,9 +404,14 @@ class BatchedTrainer:
         self.batch.mask, self.batch.count, self.batch.names, self.batch.stats = mask, count, [], []
         self.batch.drops = drops
         net.train(training)
+        dtype = self.compute_dtype
+        if dtype is not None:  # bf16: a step's parameters come cast (precision.in_dtype), a frozen model's here
+            params_T = [precision.lowered(p, dtype) if low else p for p, low in zip(params_T, self.lowered)]
+            x = precision.lowered(x, dtype)
         tensors = dict(zip([prefix + n for n in self.names], list(params_T) + list(buffers_T)))
         try:
-            return functional_call(net, tensors, (x,))
+            out = functional_call(net, tensors, (x,))
+            return out if dtype is None else precision.raised(out)  # the loss in float32
         finally:  # no tensor of the transforms stays on the trainer (torch.compile refuses that)
             self.batch.mask = self.batch.count = None
             self.batch.drops = {}
@@ -439,13 +458,18 @@ class BatchedTrainer:
         except RuntimeError as exc:
             where = f"its module {running[-1]} ({type(self.net.get_submodule(running[-1])).__name__})" \
                 if running and running[-1] else "its forward"
+            first, fix = str(exc).splitlines()[0], "set run.parallel_clients=1"
             if "random" in str(exc):
                 why = ("calls a random operation, which side by side cannot draw per client (nn.Dropout "
                        "layers can: their masks are drawn outside vmap)")
+            elif self.compute_dtype is not None and _MIXED_DTYPES.search(first):
+                # bf16 side by side casts the parameters and batch, not tensors the forward makes
+                why = f"mixes float32 tensors of its own with bfloat16 ones under train.precision = bf16 ({first})"
+                fix = "set train.precision=fp32, or run.parallel_clients=1 (autocast casts per operation there)"
             else:
-                why = f"does not run under torch.func.vmap ({str(exc).splitlines()[0]})"
-            raise ConfigError(f"run.parallel_clients: model.name = {self.training.model_name}: {where} {why}; set "
-                              "run.parallel_clients=1") from None
+                why = f"does not run under torch.func.vmap ({first})"
+            raise ConfigError(f"run.parallel_clients: model.name = {self.training.model_name}: {where} {why}; "
+                              f"{fix}") from None
         finally:
             for hook in hooks:
                 hook.remove()
@@ -470,7 +494,7 @@ class BatchedTrainer:
         mask = torch.ones(rows, width, device=device)
         drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
         self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
-        with precision.local(tc.precision, device):
+        with precision.side_by_side(tc.precision, device):
             if self.step_keys:
                 self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops), shape)
             else:
@@ -691,7 +715,7 @@ class BatchedTrainer:
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
         live, replaced = list(range(B)), set()
-        local = precision.local(tc.precision, device)
+        local = precision.side_by_side(tc.precision, device)
         for step in range(max(steps_B)):
             for j, b in enumerate(live):  # a client's own epoch boundary (train_client's epoch_end)
                 if step % schedules[b].per_epoch == 0 and step > 0:
@@ -709,7 +733,7 @@ class BatchedTrainer:
             shape = _Shape(self._width_parts(sizes, device), len(set(sizes)) == 1)
             for b, lr in zip(live, lr_L):
                 lr_sum_B[b] += lr
-            with local:  # train.precision, as train_client's steps
+            with local:  # train.precision: TF32 on CUDA (bf16 casts around the gradient call, precision.in_dtype)
                 grads_T, loss_L, stats = self._gradients(stacks, (x, y, mask, count, drops), shape)
                 step_view = _Step(self, stacks, self.group, grads_T, (x, y, mask, count, drops), shape)
                 direction_T = list(rule.direction(step_view))

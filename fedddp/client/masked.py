@@ -43,16 +43,21 @@ class MaskedBatchNorm(nn.Module):
             self.register_buffer(key, getattr(bn, key, None))
 
     def forward(self, x):
+        # train.precision = bf16 (client/precision.py): the layer computes in float32 (its
+        # statistics, and the weight and bias, which stay float32) and hands the next layer
+        # bfloat16 again: two casts a layer each way
+        if x.dtype == torch.float32:
+            return self._normalised(x)
+        return self._normalised(x.float()).to(x.dtype)
+
+    def _normalised(self, x):
         shape = (1, -1) + (1,) * (x.dim() - 2)  # [C] broadcast over [S, C, ...]
         dims = [0] + list(range(2, x.dim()))
         if self.batch.full and (self.training or self.running_mean is None):
             # no padding in this call: torch's fused kernel over all the samples (1.13x faster
             # than masking on a CPU ResNet-18 step of 4 clients, BENCHMARKS.md), the statistics
-            # for the running ones beside it
-            # in float32, as the masked form computes (its float32 mask promotes a bfloat16 input
-            # under train.precision = bf16); vmap's batch_norm refuses mixed dtypes besides
-            if x.dtype != torch.float32:
-                x = x.float()
+            # for the running ones beside it (in float32: vmap's batch_norm refuses a bfloat16
+            # input beside float32 weights besides)
             if self.training and self.running_mean is not None:
                 var_C, mean_C = torch.var_mean(x.detach(), dims, correction=1)
                 self.batch.names.append(self.name)
@@ -86,7 +91,10 @@ class MaskedDropout(nn.Module):
     def forward(self, x):
         if not self.training or self.p == 0:
             return x
-        return x * self.batch.drops[self.index]
+        mask = self.batch.drops[self.index]
+        # bf16 (client/precision.py): the float32 mask would promote the layer's output to float32
+        # and the next bfloat16 layer refuses it; its values (0 and 1 / (1 - p)) to bfloat16's 8 bits
+        return x * (mask if mask.dtype == x.dtype else mask.to(x.dtype))
 
 
 def masked_twin(model: nn.Module, batch: Batch) -> nn.Module:
