@@ -14,7 +14,12 @@ reports) cancels, and what is paid once a client's epoch (its sample permutation
 ``randperm`` on a GPU run too) is spread over its steps.
 
     python bench/step_ops.py [--clients 10] [--cases sgd,momentum,adam,fedprox,scaffold,dropout,batchnorm]
-                             [--device cpu|cuda] [--by-kind]
+                             [--device cpu|cuda] [--by-kind] [--compile]
+
+``--compile``: run.compile=true, whose whole step (SGD, Adam: client/compiled.py's ``WholeStep``)
+is one compiled call; the ops counted are those a step dispatches outside the compiled graph
+(its batch, the rates, the live mask, the call), the graph's own apart (``graph``: on CPU
+inductor's extern kernels, convolutions and matrix products, on a GPU one CUDA graph replay).
 
 fedddp's batch index is built once a group, on the host (its clients' permutations come from
 their own CPU generators, ``randperm`` at each client's epoch), and moved to the device once:
@@ -55,6 +60,8 @@ SAMPLES = 40  # a client's samples: 4 full batches an epoch
 # fedddp's named range around a group's batch index, built once a group on the host (CPU
 # tensors: the clients' own generators), its few results moved to the device once
 HOST_SETUP = "fedddp::group_batches"
+# the profiler's ranges around a torch.compile'd call: ops within them are the graph's
+COMPILED_REGIONS = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph")
 
 
 def counted(fn) -> tuple[collections.Counter, collections.Counter]:
@@ -64,16 +71,19 @@ def counted(fn) -> tuple[collections.Counter, collections.Counter]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    ops, host = collections.Counter(), collections.Counter()
+    ops, host, graph = collections.Counter(), collections.Counter(), collections.Counter()
     for event in prof.events():
+        if event.name.startswith("Torch-Compiled Region"):
+            ops["compiled call"] += 1  # the call of the compiled step: one a step
         if event.name.startswith("aten::") and event.name not in UNCOUNTED:
-            parent, in_setup = event.cpu_parent, False
+            parent, in_setup, in_graph = event.cpu_parent, False, False
             while parent is not None and not parent.name.startswith("aten::"):
                 in_setup |= parent.name == HOST_SETUP
+                in_graph |= parent.name.startswith(COMPILED_REGIONS)
                 parent = parent.cpu_parent
             if parent is None:
-                (host if in_setup else ops)[event.name] += 1
-    return ops, host
+                (graph if in_graph else host if in_setup else ops)[event.name] += 1
+    return ops, host, graph
 
 
 def model_of(case: str, torch):
@@ -103,8 +113,9 @@ def overrides_of(case: str, clients: int) -> list[str]:
                   "scaffold": ["algorithm.name=scaffold"]}.get(case, [])
 
 
-def fedddp_step(case: str, clients: int, device, steps: int):
-    """A function that trains one group of ``clients`` side by side for ``steps`` steps."""
+def fedddp_step(case: str, clients: int, device, steps: int, compile_: bool = False):
+    """A function that trains one group of ``clients`` side by side for ``steps`` steps (with
+    run.compile where ``compile_``)."""
     import torch
 
     from fedddp import checks, strategies, tasks
@@ -114,7 +125,8 @@ def fedddp_step(case: str, clients: int, device, steps: int):
     from fedddp.flat import FlatLayout
     from fedddp.registry import resolve
 
-    cfg = checks.load(None, overrides_of(case, clients) + [f"train.local_steps={steps}"])
+    cfg = checks.load(None, overrides_of(case, clients) + [f"train.local_steps={steps}",
+                                                           f"run.compile={str(compile_).lower()}"])
     model = model_of(case, torch).to(device)
     layout = FlatLayout(model, buffers=True)
     global_P = layout.flatten(model).clone()
@@ -223,13 +235,15 @@ def models_cnn(torch):
     return models.cnn((1, 28, 28), 10)
 
 
-def measure(case: str, clients: int, device_name: str) -> dict:
+def measure(case: str, clients: int, device_name: str, compile_: bool = False) -> dict:
+    """fedddp's ops a step by kind (``fedddp_ops``; with ``compile_`` those outside the compiled
+    graph, the graph's in ``graph_ops``), its host set-up's, and the plain step's."""
     import torch
 
     sys.path.insert(0, REPO)
     device = torch.device(device_name)
     short, long = 2, 6
-    runs = {steps: fedddp_step(case, clients, device, steps) for steps in (short, long)}
+    runs = {steps: fedddp_step(case, clients, device, steps, compile_) for steps in (short, long)}
     for once in runs.values():
         once()  # warm-up: first calls set up what they cache
     counts = {steps: counted(once) for steps, once in runs.items()}
@@ -241,9 +255,10 @@ def measure(case: str, clients: int, device_name: str) -> dict:
     plain = plain_step(case, clients, device)
     plain()
     plain_ops = counted(plain)[0]
-    ours, host, base = per_step(0), per_step(1), sum(plain_ops.values())
+    ours, host, graph, base = per_step(0), per_step(1), per_step(2), sum(plain_ops.values())
     return {"case": case, "fedddp": sum(ours.values()), "host": sum(host.values()), "plain": base,
-            "ratio": sum(ours.values()) / base, "fedddp_ops": ours, "host_ops": host, "plain_ops": plain_ops}
+            "ratio": sum(ours.values()) / base, "fedddp_ops": ours, "host_ops": host, "plain_ops": plain_ops,
+            "graph": sum(graph.values()), "graph_ops": graph}
 
 
 def main(argv=None) -> int:
@@ -252,17 +267,22 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--by-kind", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="run.compile=true: the ops a step dispatches "
+                        "outside its compiled graph (the graph's own apart)")
     args = parser.parse_args(argv)
-    print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}")
+    print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}"
+          + (", run.compile (fedddp: ops outside the compiled graph, the call included; graph: within it)"
+             if args.compile else ""))
     print("fedddp: ops in its steps, a step; host: ops of its batch index built once a group on the host "
           "(per step); plain: the math alone")
-    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6} {'host':>6}")
+    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6} {'host':>6} {'graph':>6}")
     for case in args.cases.split(","):
-        row = measure(case, args.clients, args.device)
-        print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f} {row['host']:>6.1f}",
-              flush=True)
+        row = measure(case, args.clients, args.device, args.compile)
+        print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f} {row['host']:>6.1f} "
+              f"{row['graph']:>6.1f}", flush=True)
         if args.by_kind:
-            for label, ops in (("fedddp", row["fedddp_ops"]), ("host", row["host_ops"]), ("plain", row["plain_ops"])):
+            for label, ops in (("fedddp", row["fedddp_ops"]), ("host", row["host_ops"]), ("graph", row["graph_ops"]),
+                               ("plain", row["plain_ops"])):
                 print(f"  {label}: " + ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in ops.most_common()))
     return 0
 
