@@ -5,8 +5,11 @@ Legend: B clients of a group, S padded samples of a step (the group's largest ba
 elements, T parameter tensors.
 
 Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` over the stacked
-parameters (through torch.compile under run.compile: ``Compiled``, client/compiled.py), then
-the rule's direction and the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps
+parameters, then the rule's direction and the optimizer as ``torch._foreach_*`` ops over the
+stacks (``_eager_steps``). Under run.compile with SGD or Adam the whole step is one compiled
+function over B rows, a finished client's row masked (``_whole``, ``_whole_steps``;
+``WholeStep``, client/compiled.py); with AdamP and RMSGD the gradients alone are compiled
+(``Compiled``). It keeps
 ``train_client``'s semantics client by client (that path, ``B = 1``, stays the reference):
 
 - batches: each client's ``Schedule``, the one ``train_client`` draws from (its own generator
@@ -732,10 +735,10 @@ class BatchedTrainer:
         """One whole step of R rows (run.compile's ``WholeStep`` compiles this function): the
         rule's gradients and direction, the running statistics' update, the optimizer's update
         (``whole_update``, its step count a row of the stacks), each row's loss added to its
-        sum; a row whose ``live_R`` is False
-        keeps every tensor as it was (``torch.where``: its bits unchanged), so a client that has
-        taken its steps is never stepped again. Returns the new stacks' entries, the direction,
-        and the scratch entries the direction replaced (FedSMOO's dual)."""
+        sum; a row whose ``live_R`` is False keeps every tensor as it was (``torch.where``: its
+        bits unchanged), so a client that has taken its steps is never stepped again. Returns
+        the new stacks' entries, the direction, and the scratch entries the direction replaced
+        (FedSMOO's dual)."""
         shape = _Shape(None, False)  # one padded call: the shapes stay the same every step
         grads_T, loss_L, stats = self._gradients(stacks, batch, shape)
         step_view = _Step(self, stacks, self.group, grads_T, batch, shape)

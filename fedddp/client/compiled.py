@@ -77,7 +77,8 @@ def speed_words(compiled_s: float, eager_s: float) -> str:
     """The start line's words for a compiled step of ``compiled_s`` seconds against the eager
     step's ``eager_s``; where compiling does not pay, that it does not."""
     ratio = eager_s / compiled_s if compiled_s > 0 else float("inf")
-    words = f"run.compile: step {compiled_s * 1e3:.1f} ms compiled against {eager_s * 1e3:.1f} ms eager ({ratio:.2f}x)"
+    ms = lambda s: f"{s * 1e3:.1f}" if s >= 1e-3 else f"{s * 1e3:.2f}"  # noqa: E731 - 2 figures below 1 ms
+    words = f"run.compile: step {ms(compiled_s)} ms compiled against {ms(eager_s)} ms eager ({ratio:.2f}x)"
     if ratio < 1.0:
         words += "; it does not pay here: run.compile=false is faster"
     return words
