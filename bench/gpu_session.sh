@@ -69,9 +69,12 @@ step aggregate 120 python3 bench/aggregate.py --device cuda --models resnet18-c1
 step aggregation_scale 120 python3 bench/aggregation_scale.py --device cuda --ranks 1 --clients 8 32 64
 step parallel_clients 180 python3 bench/parallel_clients.py --device cuda
 # not in the default list (its time would push the later steps past DEADLINE): STEPS=parallel_clients_fast,
-# the side-by-side step compiled (run.compile) and in bf16 (train.precision: parameters cast in one foreach
-# copy a step, convolutions channels-last; its casts counted on CUDA first), CNN and ResNet-18
-step parallel_clients_fast 240 bash -c "python3 bench/parallel_clients.py --device cuda --models cnn,resnet18 \
+# the side-by-side step compiled (run.compile: the whole step, one CUDA graph; its table adds the eager
+# side-by-side rate, compiled / eager and the compile time; the ops outside the graph counted first) and in
+# bf16 (train.precision: parameters cast in one foreach copy a step, convolutions channels-last; its casts
+# counted on CUDA first), CNN and ResNet-18
+step parallel_clients_fast 300 bash -c "python3 bench/step_ops.py --device cuda --clients 100 --cases sgd,adam,batchnorm \
+    --compile; python3 bench/parallel_clients.py --device cuda --models cnn,resnet18 \
     --clients 10,100 --compile; python3 bench/step_ops.py --device cuda --clients 100 --cases sgd,batchnorm \
     --precision bf16; python3 bench/parallel_clients.py --device cuda --models cnn,resnet18 \
     --clients 10,100 --precision bf16"
@@ -86,10 +89,11 @@ done
 # the same workload's bookkeeping at B = 100: ms a round outside training and evaluation, host reads
 # and the syncs CUDA reports (bench/bookkeeping.py); into mnist_cnn.log (a step of that name)
 step mnist_cnn 90 python3 bench/bookkeeping.py --device cuda --data-root "$root" --parallel 100
-# not in the default list: STEPS=mnist_cnn_compile, the same at B = 100 with run.compile (compiled in the warm-up
-# before round 1: its metrics' first round_s against the steady ones)
+# not in the default list: STEPS=mnist_cnn_compile, the same at B = 100 with run.compile (the whole step
+# compiled and captured as a CUDA graph in the warm-up before round 1: its metrics' first round_s against the
+# steady ones; --verbose: the start line's long form, with the compiled step's time against the eager one's)
 runs=/tmp/fedddp_gpu_runs/mnist_cnn_compile
-step mnist_cnn_compile 150 python3 -m fedddp configs/mnist_cnn.toml "data.root=$root" run.device=cuda \
+step mnist_cnn_compile 150 python3 -m fedddp --verbose configs/mnist_cnn.toml "data.root=$root" run.device=cuda \
     data.num_clients=100 run.clients_per_round=100 run.rounds=3 run.ckpt_every=0 run.parallel_clients=100 \
     run.compile=true "run.out_dir=$runs" run.overwrite=true
 cat "$runs/metrics.jsonl" >>"$out/mnist_cnn_compile.log" 2>/dev/null

@@ -19,6 +19,10 @@ resident memory above its resident memory before it.
                                      [--compile] [--precision fp32|tf32|bf16]
     python bench/parallel_clients.py --models resnet18 --clients 1,2,4 --steps 2    # ResNet-18 on CPU
 
+``--compile`` times the compiled side-by-side step (run.compile: the whole step, one graph; a
+CUDA graph on CUDA) against the eager one too, and gives the compile time (of the untimed first
+call; seconds where an earlier run's graphs are on disk).
+
 ``--batch-norm K`` times instead one ResNet-18 gradient step of K clients side by side: with full
 batches, the masked BatchNorm (the form a padded call takes) and fedddp's form of a call without
 padding (torch's fused kernel, the statistics beside it) against torch's own BatchNorm under
@@ -50,7 +54,8 @@ def rss_mib() -> float:
 
 def measure(model_name: str, num_clients: int, mode: str, steps: int, device_name: str, seq_clients: int,
             optimizer: str = "sgd", epochs: int = 1, compile_: bool = False, precision: str = "fp32") -> dict:
-    """One measurement in this process: client steps per second and peak memory (MiB)."""
+    """One measurement in this process: client steps per second and peak memory (MiB); ``mode``
+    sequential, batched, or eager (batched without run.compile: the compiled step's reference)."""
     import torch
 
     sys.path.insert(0, REPO)
@@ -71,6 +76,8 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
                              f"train.optimizer={optimizer}", f"run.compile={str(compile_).lower()}",
                              f"train.precision={precision}",
                              f"run.parallel_clients={num_clients if mode == 'batched' else 1}"])
+    if mode == "eager":
+        mode, compile_ = "batched", False
     task = tasks.get("regression" if model_name == "ffnn" else "classification")
     torch.manual_seed(0)
     model = getattr(models, model_name)(shape, classes).to(device)  # the built-in model itself
@@ -120,7 +127,11 @@ def measure(model_name: str, num_clients: int, mode: str, steps: int, device_nam
         peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
-    return {"steps_per_s": count * steps / seconds, "peak_mib": max(peak, 0.0), "clients_timed": count}
+    out = {"steps_per_s": count * steps / seconds, "peak_mib": max(peak, 0.0), "clients_timed": count}
+    if mode == "batched" and compile_:  # compiled in the untimed warm-up call
+        compiled = trainer.whole_step or trainer.compiled
+        out["compile_s"] = compiled.seconds
+    return out
 
 
 def batch_norm_forms(num_clients: int, steps: int, device_name: str) -> None:
@@ -211,7 +222,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1, help="local epochs the --steps span (each client holds "
                                                                "steps / epochs batches)")
     parser.add_argument("--compile", action="store_true", help="run.compile=true: the side-by-side step compiled "
-                                                                   "(during the untimed warm-up)")
+                        "(during the untimed warm-up), also timed against the eager side-by-side step")
     parser.add_argument("--precision", default="fp32", help="train.precision: fp32, tf32 or bf16 (both paths)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # model,K,mode: one measurement, JSON out
     args = parser.parse_args()
@@ -235,13 +246,14 @@ def main() -> None:
     print(f"device {device_text}; batch {BATCH}, {args.steps} local steps per client over {args.epochs} "
           f"epoch(s), {args.optimizer}, precision {args.precision}{', compiled' if args.compile else ''}; "
           f"CPU: 1 thread; load average before: {os.getloadavg()[0]:.1f}\n")
+    extra = " eager side by side steps/s | compiled / eager | compile s |" if args.compile else ""
     print("| model | clients K | sequential steps/s | side by side steps/s | speed-up | peak MiB sequential "
-          "| peak MiB side by side |")
-    print("|---|---|---|---|---|---|---|")
+          "| peak MiB side by side |" + extra)
+    print("|---|---|---|---|---|---|---|" + "---|" * (3 if args.compile else 0))
     for model_name in args.models.split(","):
         for k in [int(c) for c in args.clients.split(",")]:
             results = {}
-            for mode in ("sequential", "batched"):
+            for mode in ("sequential", "batched") + (("eager",) if args.compile else ()):
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", f"{model_name},{k},{mode}",
                                        "--device", args.device, "--steps", str(args.steps),
                                        "--seq-clients", str(args.seq_clients), "--optimizer", args.optimizer,
@@ -263,8 +275,13 @@ def main() -> None:
 
             speedup = (f"{bat['steps_per_s'] / seq['steps_per_s']:.2f}x"
                        if "error" not in bat and "error" not in seq else "-")
-            print(f"| {model_name} | {k} | {rate(seq)} | {rate(bat)} | {speedup} | {mem(seq)} | {mem(bat)} |",
-                  flush=True)
+            row = f"| {model_name} | {k} | {rate(seq)} | {rate(bat)} | {speedup} | {mem(seq)} | {mem(bat)} |"
+            if args.compile:
+                eager = results["eager"]
+                ratio = (f"{bat['steps_per_s'] / eager['steps_per_s']:.2f}x"
+                         if "error" not in bat and "error" not in eager else "-")
+                row += f" {rate(eager)} | {ratio} | {bat.get('compile_s') or 0:.1f} |"
+            print(row, flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
 
 

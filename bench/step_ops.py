@@ -14,7 +14,12 @@ reports) cancels, and what is paid once a client's epoch (its sample permutation
 ``randperm`` on a GPU run too) is spread over its steps.
 
     python bench/step_ops.py [--clients 10] [--cases sgd,momentum,adam,fedprox,scaffold,dropout,batchnorm]
-                             [--device cpu|cuda] [--precision fp32|bf16] [--by-kind]
+                             [--device cpu|cuda] [--precision fp32|bf16] [--by-kind] [--compile]
+
+``--compile``: run.compile=true, whose whole step (SGD, Adam: client/compiled.py's ``WholeStep``)
+is one compiled call; the ops counted are those a step dispatches outside the compiled graph
+(its batch, the rates, the live mask, the call), the graph's own apart (``graph``: on CPU
+inductor's extern kernels, convolutions and matrix products, on a GPU one CUDA graph replay).
 
 fedddp's batch index is built once a group, on the host (its clients' permutations come from
 their own CPU generators, ``randperm`` at each client's epoch), and moved to the device once:
@@ -66,6 +71,8 @@ SAMPLES = 40  # a client's samples: 4 full batches an epoch
 # fedddp's named range around a group's batch index, built once a group on the host (CPU
 # tensors: the clients' own generators), its few results moved to the device once
 HOST_SETUP = "fedddp::group_batches"
+# the profiler's ranges around a torch.compile'd call: ops within them are the graph's
+COMPILED_REGIONS = ("Torch-Compiled Region", "CompiledFunction", "## Call CompiledFxGraph")
 
 
 def counted(fn) -> tuple[collections.Counter, collections.Counter]:
@@ -75,16 +82,19 @@ def counted(fn) -> tuple[collections.Counter, collections.Counter]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    ops, host = collections.Counter(), collections.Counter()
+    ops, host, graph = collections.Counter(), collections.Counter(), collections.Counter()
     for event in prof.events():
+        if event.name.startswith("Torch-Compiled Region"):
+            ops["compiled call"] += 1  # the call of the compiled step: one a step
         if event.name.startswith("aten::") and event.name not in UNCOUNTED:
-            parent, in_setup = event.cpu_parent, False
+            parent, in_setup, in_graph = event.cpu_parent, False, False
             while parent is not None and not parent.name.startswith("aten::"):
                 in_setup |= parent.name == HOST_SETUP
+                in_graph |= parent.name.startswith(COMPILED_REGIONS)
                 parent = parent.cpu_parent
             if parent is None:
-                (host if in_setup else ops)[event.name] += 1
-    return ops, host
+                (graph if in_graph else host if in_setup else ops)[event.name] += 1
+    return ops, host, graph
 
 
 def model_of(case: str, torch):
@@ -114,8 +124,9 @@ def overrides_of(case: str, clients: int, precision: str = "fp32") -> list[str]:
                   "scaffold": ["algorithm.name=scaffold"]}.get(case, [])
 
 
-def fedddp_step(case: str, clients: int, device, steps: int, precision: str = "fp32"):
-    """A function that trains one group of ``clients`` side by side for ``steps`` steps."""
+def fedddp_step(case: str, clients: int, device, steps: int, precision: str = "fp32", compile_: bool = False):
+    """A function that trains one group of ``clients`` side by side for ``steps`` steps (with
+    run.compile where ``compile_``)."""
     import torch
 
     from fedddp import checks, strategies, tasks
@@ -125,7 +136,8 @@ def fedddp_step(case: str, clients: int, device, steps: int, precision: str = "f
     from fedddp.flat import FlatLayout
     from fedddp.registry import resolve
 
-    cfg = checks.load(None, overrides_of(case, clients, precision) + [f"train.local_steps={steps}"])
+    cfg = checks.load(None, overrides_of(case, clients, precision) + [f"train.local_steps={steps}",
+                                                                      f"run.compile={str(compile_).lower()}"])
     model = model_of(case, torch).to(device)
     layout = FlatLayout(model, buffers=True)
     global_P = layout.flatten(model).clone()
@@ -249,13 +261,15 @@ def models_cnn(torch):
     return models.cnn((1, 28, 28), 10)
 
 
-def measure(case: str, clients: int, device_name: str, precision: str = "fp32") -> dict:
+def measure(case: str, clients: int, device_name: str, precision: str = "fp32", compile_: bool = False) -> dict:
+    """fedddp's ops a step by kind (``fedddp_ops``; with ``compile_`` those outside the compiled
+    graph, the graph's in ``graph_ops``), its host set-up's, and the plain step's."""
     import torch
 
     sys.path.insert(0, REPO)
     device = torch.device(device_name)
     short, long = 2, 6
-    runs = {steps: fedddp_step(case, clients, device, steps, precision) for steps in (short, long)}
+    runs = {steps: fedddp_step(case, clients, device, steps, precision, compile_) for steps in (short, long)}
     for once in runs.values():
         once()  # warm-up: first calls set up what they cache
     counts = {steps: counted(once) for steps, once in runs.items()}
@@ -267,10 +281,11 @@ def measure(case: str, clients: int, device_name: str, precision: str = "fp32") 
     plain = plain_step(case, clients, device, precision)
     plain()
     plain_ops = counted(plain)[0]
-    ours, host, base = per_step(0), per_step(1), sum(plain_ops.values())
+    ours, host, graph, base = per_step(0), per_step(1), per_step(2), sum(plain_ops.values())
     return {"case": case, "fedddp": sum(ours.values()), "host": sum(host.values()), "plain": base,
             "ratio": sum(ours.values()) / base, "fedddp_ops": ours, "host_ops": host, "plain_ops": plain_ops,
-            "casts": sum(ours[k] for k in CASTS), "plain_casts": sum(plain_ops[k] for k in CASTS)}
+            "casts": sum(ours[k] for k in CASTS), "plain_casts": sum(plain_ops[k] for k in CASTS),
+            "graph": sum(graph.values()), "graph_ops": graph}
 
 
 def main(argv=None) -> int:
@@ -281,18 +296,23 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                         help="train.precision of fedddp's step; the plain step gets the casts bf16 needs")
     parser.add_argument("--by-kind", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="run.compile=true: the ops a step dispatches "
+                        "outside its compiled graph (the graph's own apart)")
     args = parser.parse_args(argv)
-    print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}, {args.precision}")
+    print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}, {args.precision}"
+          + (", run.compile (fedddp: ops outside the compiled graph, the call included; graph: within it)"
+             if args.compile else ""))
     print("fedddp: ops in its steps, a step; host: ops of its batch index built once a group on the host "
           "(per step); plain: the math alone; casts: fedddp's dtype conversions a step (the plain step's)")
-    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6} {'host':>6} {'casts':>11}")
+    print(f"{'case':<10} {'fedddp':>8} {'plain':>6} {'ratio':>6} {'host':>6} {'casts':>11} {'graph':>6}")
     for case in args.cases.split(","):
-        row = measure(case, args.clients, args.device, args.precision)
+        row = measure(case, args.clients, args.device, args.precision, args.compile)
         casts = f"{row['casts']:g} ({row['plain_casts']:g})"
         print(f"{case:<10} {row['fedddp']:>8.1f} {row['plain']:>6} {row['ratio']:>6.2f} {row['host']:>6.1f} "
-              f"{casts:>11}", flush=True)
+              f"{casts:>11} {row['graph']:>6.1f}", flush=True)
         if args.by_kind:
-            for label, ops in (("fedddp", row["fedddp_ops"]), ("host", row["host_ops"]), ("plain", row["plain_ops"])):
+            for label, ops in (("fedddp", row["fedddp_ops"]), ("host", row["host_ops"]), ("graph", row["graph_ops"]),
+                               ("plain", row["plain_ops"])):
                 print(f"  {label}: " + ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in ops.most_common()))
     return 0
 

@@ -121,12 +121,16 @@ class RunConfig:
     deadline_steps: int = opt(0, "Drop (as a straggler) every sampled client whose local steps this round "
                                  "exceed this many; 0: no deadline. It does not train and its client "
                                  "state is untouched.")
-    compile: bool = opt(False, "torch.compile the side-by-side step (the vmapped gradient of the local rule's loss), "
-                               "its shapes padded to B clients and train.batch_size samples so one graph "
-                               "serves every step and round; compiled once a run (the start line says in "
-                               "how long). One after another (B = 1) is not compiled. A model torch.compile "
-                               "cannot take runs eagerly, said in one line. Equal to eager to float32 "
-                               "rounding, so it is part of the run's identity.")
+    compile: bool = opt(False, "torch.compile the side-by-side step: with sgd and adam the whole step (gradients, "
+                               "the local rule's direction, BatchNorm statistics, optimizer update), with "
+                               "adamp and rmsgd the vmapped gradient alone; its shapes padded to B clients "
+                               "and train.batch_size samples so one graph serves every step and round; on "
+                               "CUDA captured as a CUDA graph. Compiled once a run before round 1, kept on "
+                               "disk for later runs; the start line says in how long and the compiled step's "
+                               "time against the eager one's (and that it does not pay where it does not). "
+                               "One after another (B = 1) is not compiled. A model torch.compile cannot take "
+                               "runs eagerly, said in one line. Equal to eager to float32 rounding, so it is "
+                               "part of the run's identity.")
     parallel_clients: IntOrAuto = opt("auto", "Clients a rank trains side by side (B) as one batched computation "
                                               "over stacked parameters (fedddp.client.batched); 1: one after "
                                               "another, the reference, which B > 1 equals to float32 rounding (B "

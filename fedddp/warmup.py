@@ -12,7 +12,9 @@ figure means something.
 - The side-by-side step (CUDA, or run.compile anywhere): one gradient call of a full group's
   shape, which is when run.compile's graph compiles and the GPU's libraries pick their kernels
   (the trainer's ``warm_up``, client/trainers.py); one after another, one forward and backward of
-  a full batch.
+  a full batch. With run.compile's whole step (SGD, Adam), a few compiled steps are then timed
+  against a few eager steps of the same shape, and the start line says the figure, and that
+  compiling does not pay where it does not; the run does what was asked either way.
 
 Nothing the run computes changes: the model, its buffers and torch's random state are as they
 were before (``torch.random.fork_rng``), the server state is a fresh one thrown away. A warm-up
@@ -52,7 +54,15 @@ def warm_up(run, comm) -> str:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     words = f"warm-up {time.perf_counter() - start:.1f} s before round 1"
-    return words + (f" (skipped: {', '.join(skipped)})" if skipped else "")
+    words += f" (skipped: {', '.join(skipped)})" if skipped else ""
+    return words + "".join(f"; {w}" for w in [_compiled_step_words(run)] if w)
+
+
+def _compiled_step_words(run) -> str:
+    """run.compile's measured figure (its compiled step against its eager one, timed while the
+    local step warmed up: client/compiled.py, ``WholeStep.measure``), or ""."""
+    whole_step = getattr(getattr(run.trainer, "batched", None), "whole_step", None)
+    return whole_step.words if whole_step is not None else ""
 
 
 def _first_client(run):

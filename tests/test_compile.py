@@ -1,12 +1,16 @@
-"""run.compile: torch.compile of the side-by-side step (fedddp.client.compiled.Compiled) against
-the eager step, to float32 rounding (tests/test_parallel_clients.py's TOL), with groups smaller
-than B (5 clients a round at B = 3: groups of 3 and 2, padded to 3), clients that leave their
-group at different steps (padded back), and a rule with an extra pass (sam); the start line with
-B = 1; a compiler failure is one line and the eager step."""
+"""run.compile: torch.compile of the whole side-by-side step (fedddp.client.compiled.WholeStep:
+gradients, the rule's direction, BatchNorm statistics, SGD's or Adam's update) against the eager
+step, to float32 rounding (tests/test_parallel_clients.py's TOL), with groups smaller than B (5
+clients a round at B = 3: groups of 3 and 2, padded to 3), clients that leave their group at
+different steps (their rows masked), rules with entries (FedProx, SCAFFOLD) and an extra pass
+(SAM), a BatchNorm model, and no graph compiled again within a run; the start line's measured
+figure and its words (a fake clock); the mode (CUDA graphs on CUDA); the start line with B = 1;
+a compiler failure is one line and the eager step; a later run loads the graphs from disk."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from fedddp.env import ProcessEnv
 from fedddp.round import run
 
 from fedrun import QUICKSTART
+from test_parallel_clients import BN_CNN
 
 SINGLE = ProcessEnv(0, 1, 0, "127.0.0.1", 0, "single")
 TOL = 2e-5
@@ -35,30 +40,120 @@ def final_P(tmp_path, overrides: list[str], compile_: bool, parallel: int = 3, p
     return run(cfg, Comm(SINGLE, "cpu"))["global_P"]
 
 
+# (overrides, whether the whole step compiles in the warm-up: a rule with entries of its own
+# (FedProx's anchor, SCAFFOLD's correction) compiles it in round 1's first step)
+CASES = {
+    "plain": ([], True),
+    "momentum": (["train.momentum=0.9", "train.nesterov=true", "train.weight_decay=0.01"], True),
+    "adam": (["train.optimizer=adam", "train.lr=0.003", "train.weight_decay=0.01"], True),
+    "fedprox": (["algorithm.name=fedprox"], False),
+    "scaffold": (["algorithm.name=scaffold"], False),
+    "sam": (["algorithm.name=fedsam"], True),
+    "batchnorm": (BN_CNN + ["train.momentum=0.9"], True),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.processes  # inductor runs the C++ compiler
-@pytest.mark.parametrize("extra", [[], ["algorithm.name=fedsam"]], ids=["plain", "sam"])
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.e2e
-def test_compiled_equals_eager(tmp_path, extra, capsys, monkeypatch):
-    """... and the graph compiles in the warm-up before round 1, the one every round then uses
-    (no graph compiled after it)."""
+def test_compiled_equals_eager(tmp_path, case, capsys, monkeypatch):
+    """... with one graph for every step, round and group of the run (torch._dynamo refuses to
+    compile again: error_on_recompile), compiled in the warm-up before round 1 where the rule
+    has no entries of its own, and the start line's measured figure there."""
+    extra, in_warm_up = CASES[case]
     eager_P = final_P(tmp_path, extra, False)
     capsys.readouterr()
     warm_up, graphs = warmup.warm_up, []
 
     def counted(run_, comm):
         words = warm_up(run_, comm)
-        graphs.append(counters["stats"]["unique_graphs"])
+        graphs.append((counters["stats"]["unique_graphs"], words))
         return words
 
     monkeypatch.setattr(warmup, "warm_up", counted)
+    torch._dynamo.reset()  # the graphs of other tests' models are not this run's
     before = counters["stats"]["unique_graphs"]
-    compiled_P = final_P(tmp_path, extra, True)
-    assert graphs[0] > before and counters["stats"]["unique_graphs"] == graphs[0]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled_P = final_P(tmp_path, extra, True)
+    after_warm_up, words = graphs[0]
+    if in_warm_up:
+        assert after_warm_up > before and counters["stats"]["unique_graphs"] == after_warm_up
+        assert "run.compile: step " in words and "ms eager" in words, words
+    else:
+        assert after_warm_up == before and counters["stats"]["unique_graphs"] > before
     err = capsys.readouterr().err
     assert err.count("side-by-side step compiled in") == 1 and "failed" not in err, err  # once a run
     scale = eager_P.abs().max().item()
     assert (eager_P - compiled_P).abs().max().item() <= TOL * scale
+
+
+@pytest.mark.slow
+@pytest.mark.processes  # inductor runs the C++ compiler
+@pytest.mark.parametrize("case", ["momentum", "adam", "batchnorm"])
+def test_a_compiled_step_is_one_call_and_its_batch(case):
+    """The whole step dispatches, outside its compiled graph, the call and the two gathers of its
+    batch (x, y): no per-tensor loop, no rate or step count built a step (bench/step_ops.py
+    --compile; a count, never a time)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import step_ops
+
+    row = step_ops.measure(case, 4, "cpu", compile_=True)
+    assert row["fedddp_ops"]["compiled call"] == 1, row["fedddp_ops"]
+    assert row["fedddp"] <= 3, row["fedddp_ops"]
+    assert row["graph"] > 0  # the model's math ran within the graph
+
+
+@pytest.mark.e2e
+def test_a_client_that_has_taken_its_steps_keeps_its_bits(tmp_path, monkeypatch):
+    """The whole step (here run eagerly: torch.compile replaced by the function itself) leaves
+    every tensor of a row whose client no longer steps (or pads the group) as it was, bit for
+    bit: parameters, running statistics, momentum, loss sum. Clients of 16 to 139 samples at
+    batch 30 take 1 to 5 steps, so most steps have such rows."""
+    from fedddp.client.batched import BatchedTrainer
+
+    whole, seen = BatchedTrainer._whole, []
+
+    def checked(self, stacks, batch, lr_R, live_R):
+        kept, direction_T, replaced = whole(self, stacks, batch, lr_R, live_R)
+        for key, tensors in kept.items():
+            for new, old in zip(tensors, stacks[key]):
+                seen.append(int((~live_R).sum()))
+                assert torch.equal(new[~live_R], old[~live_R]), key
+        return kept, direction_T, replaced
+
+    monkeypatch.setattr(BatchedTrainer, "_whole", checked)
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kwargs: fn)
+    final_P(tmp_path, BN_CNN + ["train.momentum=0.9", "train.weight_decay=0.01"], True)
+    assert seen and max(seen) > 0
+
+
+def test_the_mode_is_cuda_graphs_on_cuda_only():
+    assert compiled.compile_mode("cuda") == "reduce-overhead"
+    assert compiled.compile_mode(torch.device("cuda", 0)) == "reduce-overhead"
+    assert compiled.compile_mode("cpu") is None
+
+
+def test_the_measured_figure_in_the_start_line_words():
+    assert compiled.speed_words(0.0031, 0.0040) == "run.compile: step 3.1 ms compiled against 4.0 ms eager (1.29x)"
+    slower = compiled.speed_words(0.0050, 0.0040)
+    assert slower.startswith("run.compile: step 5.0 ms compiled against 4.0 ms eager (0.80x)")
+    assert "does not pay here: run.compile=false is faster" in slower
+
+
+def test_the_warm_up_times_compiled_against_eager_steps(monkeypatch):
+    """WholeStep.measure on a fake clock: TIMED_CALLS compiled calls, then as many eager ones,
+    each after one untimed call; the words from their mean times."""
+    calls = []
+    step = compiled.WholeStep(lambda n: calls.append("eager") or n + 1)
+    monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kwargs: lambda *a: calls.append("compiled") or fn(*a))
+    ticks = iter([0.0, 3 * 0.002, 10.0, 10.0 + 3 * 0.001])  # compiled 2 ms a step, eager 1 ms
+    monkeypatch.setattr(compiled, "clock", lambda: next(ticks))
+    words = step.measure((1,), torch.device("cpu"))
+    assert words == step.words == compiled.speed_words(0.002, 0.001)
+    assert "does not pay here" in words
+    n = compiled.TIMED_CALLS
+    assert calls == ["compiled", "eager", "eager"] + ["compiled", "eager"] * n + ["eager"] * n
 
 
 @pytest.mark.e2e

@@ -5,8 +5,11 @@ Legend: B clients of a group, S padded samples of a step (the group's largest ba
 elements, T parameter tensors.
 
 Every step is one ``torch.func`` computation, ``vmap(grad_and_value(loss))`` over the stacked
-parameters (through torch.compile under run.compile: ``Compiled``, client/compiled.py), then
-the rule's direction and the optimizer as ``torch._foreach_*`` ops over the stacks. It keeps
+parameters, then the rule's direction and the optimizer as ``torch._foreach_*`` ops over the
+stacks (``_eager_steps``). Under run.compile with SGD or Adam the whole step is one compiled
+function over B rows, a finished client's row masked (``_whole``, ``_whole_steps``;
+``WholeStep``, client/compiled.py); with AdamP and RMSGD the gradients alone are compiled
+(``Compiled``). It keeps
 ``train_client``'s semantics client by client (that path, ``B = 1``, stays the reference):
 
 - batches: each client's ``Schedule``, the one ``train_client`` draws from (its own generator
@@ -85,8 +88,8 @@ from ..models import WITH_BATCH_NORM, dropout
 from ..registry import LOCAL_RULES, resolve
 from . import precision, rules
 from . import ClientContext, LocalTraining, Schedule, finish_report, start_gradient
-from .batched_optim import OPTIMIZERS, StackedOptimizer, _per_client
-from .compiled import Compiled
+from .batched_optim import OPTIMIZERS, WHOLE_STEP_OPTIMIZERS, StackedOptimizer, _per_client, whole_state, whole_update
+from .compiled import Compiled, WholeStep, pad
 from .masked import Batch, masked_twin
 
 # Devices where a BatchNorm model's step whose batches differ in width runs one call per width
@@ -367,6 +370,7 @@ class BatchedTrainer:
         # their argument. Set once a group, before its first step; outside a group (the
         # warm-up, try_step) none of the rule's entries and the configured hp.
         self.step_keys = rules.step_keys(rule)
+        self.whole_replaced = set()  # the scratch entries the whole step's direction replaced in a group
         self.group = _Group({}, {}, 0, training.hp)
         # train.precision = bf16: the dtype a step's parameters and batch are cast to before the
         # gradient call (client/precision.py); BatchNorm's weight and bias stay float32, as its statistics
@@ -393,9 +397,12 @@ class BatchedTrainer:
         casts = (self.compute_dtype, self.lowered, self.conv_weights)
         self._data = precision.in_dtype(vmap(grad_and_value(data_loss, has_aux=True)), *casts)
         self._rule_grads = precision.in_dtype(vmap(grad_and_value(rule_loss, has_aux=True)), *casts)
-        # run.compile: the rule's gradients compiled once, on first use (``_gradients``)
+        # run.compile: the whole step compiled (``_whole``) with SGD and Adam; with the other
+        # optimizers the rule's gradients alone (``_gradients``); either once, on first use
+        whole = training.compile and training.train.optimizer in WHOLE_STEP_OPTIMIZERS
+        self.whole_step = WholeStep(self._whole) if whole else None
         self.compiled = Compiled(self._rule_grads, training.clients, training.train.batch_size) \
-            if training.compile else None
+            if training.compile and not whole else None
 
     def _forward(self, net, params_T, buffers_T, x, mask, count, drops, prefix: str = "", training: bool = True):
         """``net`` at the given parameters and buffers, in training or eval mode; BatchNorm over
@@ -494,11 +501,27 @@ class BatchedTrainer:
         mask = torch.ones(rows, width, device=device)
         drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
         self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
+        if self.whole_step is not None and not self.step_keys:
+            self._warm_whole(stacks, (x, y, mask, mask.sum(1), drops), device)
+            return
         with precision.side_by_side(tc.precision, device):
             if self.step_keys:
                 self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops), shape)
             else:
                 self._gradients(stacks, (x, y, mask, mask.sum(1), drops), shape)
+
+    def _warm_whole(self, stacks: dict, batch: tuple, device) -> None:
+        """run.compile's whole step compiled on a full group's stacks and batch, the stacks built
+        as ``train_group`` builds them (the same structure: the same graph), then timed against
+        its eager form (``WholeStep.measure``: the start line's words)."""
+        tc, rows = self.training.train, stacks["params"][0].shape[0]
+        StackedOptimizer(tc, stacks, [tc.lr] * rows)
+        stacks["loss_sum"] = [torch.zeros(rows, dtype=torch.float64, device=device)]
+        whole_state(tc, stacks)
+        args = (stacks, batch, torch.full((rows,), float(tc.lr), device=device),
+                torch.ones(rows, dtype=torch.bool, device=device))
+        with precision.side_by_side(tc.precision, device):
+            self.whole_step.measure(args, device)
 
     def _dropout_shapes(self, x) -> dict[int, tuple]:
         """Each dropout layer's input shape per sample, by index, from eval forwards of one and
@@ -712,6 +735,140 @@ class BatchedTrainer:
         # each client's loss summed over its steps in float64 (train_client's sum), a row of the
         # stacks so it leaves with the client: one add a step
         stacks["loss_sum"] = [torch.zeros(B, dtype=torch.float64, device=device)]
+        sums = None
+        if self.whole_step is not None and not self.whole_step.failed:
+            sums = self._whole_steps(group, schedules, stacks, (indexed, group_drops), device)
+        if sums is None:
+            sums = self._eager_steps(group, schedules, stacks, (indexed, group_drops), optimizer, device)
+        loss_sum_B, lr_sum_B = sums
+
+        # -- the rest of each report, as train_client writes it --------------------------------
+        seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
+        loss_sums = loss_sum_B.tolist()  # read from the device once a group, not once a client
+        # the client's trained model into self.model only for what reads it (the rule's end hook,
+        # CGW's full-batch gradient, FedER's ranks): else a copy a tensor and client for nothing
+        reads_model = rules.reads_trained_model(rule) or bool(needs & {"full_grad_KP", "eff_rank_KL"})
+        for b, (ctx, data, seed, work, out) in enumerate(group):
+            steps = steps_B[b]
+            if reads_model:
+                self.layout.unflatten_into(out["params_P"], self.model)
+            finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), loss_sums[b], out)
+            out["train_time"] = seconds
+
+    def _whole(self, stacks: dict, batch: tuple, lr_R: torch.Tensor, live_R: torch.Tensor):
+        """One whole step of R rows (run.compile's ``WholeStep`` compiles this function): the
+        rule's gradients and direction, the running statistics' update, the optimizer's update
+        (``whole_update``, its step count a row of the stacks), each row's loss added to its
+        sum; a row whose ``live_R`` is False keeps every tensor as it was (``torch.where``: its
+        bits unchanged), so a client that has taken its steps is never stepped again. Returns
+        the new stacks' entries, the direction, and the scratch entries the direction replaced
+        (FedSMOO's dual)."""
+        shape = _Shape(None, False)  # one padded call: the shapes stay the same every step
+        grads_T, loss_L, stats = self._gradients(stacks, batch, shape)
+        step_view = _Step(self, stacks, self.group, grads_T, batch, shape)
+        direction_T = list(self.rule.direction(step_view))
+        new = whole_update(self.training.train, stacks, direction_T, lr_R)
+        if stats:
+            new["buffers"] = self._update_running_stats(stacks["buffers"], stats)
+        new["loss_sum"] = [stacks["loss_sum"][0] + torch.where(live_R, loss_L.detach().double(), 0.0)]
+        replaced = {}
+        for name, value in step_view.scratch.items():
+            if value is not step_view._given[name]:
+                before = _as_leaves(step_view._given[name])
+                replaced[name] = [torch.where(_per_client(live_R, n), n, b) for n, b in zip(_as_leaves(value), before)]
+        kept = {key: [torch.where(_per_client(live_R, n), n, old) for n, old in zip(tensors, stacks[key])]
+                for key, tensors in new.items()}
+        return kept, direction_T, replaced
+
+    def _whole_steps(self, group, schedules, stacks: dict, batches: tuple, device):
+        """The group's steps as run.compile's whole step, every group padded to R rows (B, copies
+        of its first client, never live) and train.batch_size samples; a client that has taken
+        its steps keeps its row, masked. Returns what ``_eager_steps`` returns, or None where
+        the compiler failed on the first step (nothing changed: the eager steps run)."""
+        tc, (indexed, group_drops) = self.training.train, batches
+        B, steps_B = len(group), [s.steps for s in schedules]
+        R = max(self.training.clients, B)
+        width = tc.batch_size if tc.batch_size > 0 else max(len(data) for _, data, *_ in group)
+        stacks = dict(stacks)  # the caller's stay as they are for the eager steps, should compiling fail
+        whole_state(tc, stacks)
+        stacks = {key: [pad(t, R, fill_first=True) for t in value] for key, value in stacks.items()}
+        live, live_R, live_count, batch_R, lr_sum_B = list(range(B)), None, 0, None, [0.0] * B
+        lr_R, lr_before = None, None
+        local = precision.side_by_side(tc.precision, device)
+        for step in range(max(steps_B)):
+            live_schedules = [schedules[b] for b in live]
+            if indexed is not None:
+                x, y, mask, count, sizes = indexed.step(step)
+            else:
+                x, y, mask, count, sizes = self._augmented_batches(live_schedules, step, device)
+            if group_drops is not None:
+                drops = {i: m[indexed.rows(step), :x.shape[1]] for i, m in group_drops.items()}
+            else:
+                drops = self._dropout_masks([(s.seed, step) for s in live_schedules], sizes, x.shape[1], device)
+            batch_R = self._rows_batch((x, y, mask, count, drops), batch_R, live, R, width)
+            if live_R is None or len(live) != live_count:  # built again only when a client leaves
+                live_R, live_count = torch.tensor([b in live for b in range(R)], device=device), len(live)
+            lr_by_row = [0.0] * R
+            for b, s in zip(live, live_schedules):
+                lr_by_row[b] = s.lr(step)
+                lr_sum_B[b] += lr_by_row[b]
+            if lr_by_row != lr_before:  # built again only when a rate changes (a schedule, a client leaving)
+                lr_R, lr_before = torch.tensor(lr_by_row, device=device), lr_by_row
+            args = (stacks, batch_R, lr_R, live_R)
+            with local:  # train.precision, as train_client's steps
+                out = self.whole_step(*args, device=device)
+                if out is None and step == 0:
+                    return None
+                kept, direction_T, replaced = out if out is not None else self._whole(*args)
+            stacks = {**stacks, **kept}
+            for name, leaves in replaced.items():  # one for all until now: each client's from now on
+                self.group.shared.pop(("scratch", name), None)
+                stacks[("scratch", name)] = leaves
+                self.whole_replaced.add(name)
+            done = [b for b in live if steps_B[b] == step + 1]
+            if done and "last_grad_KP" in self.needs:
+                for b, last_P in zip(done, self._flat_BP(direction_T, done)):
+                    group[b][4]["last_grad_P"].copy_(last_P)
+            live = [b for b in live if b not in done]
+        self._whole_reports(group, stacks)
+        return stacks["loss_sum"][0][:B].clone(), lr_sum_B
+
+    def _whole_reports(self, group, stacks: dict) -> None:
+        """Each client's trained parameters (and the scratch entries the direction replaced)
+        from its row of the whole step's stacks, as ``_leave`` writes them."""
+        rows = list(range(len(group)))
+        for b, params_P in zip(rows, self._flat_BP(stacks["params"], rows, stacks["buffers"])):
+            ctx, *_, out = group[b]
+            out["params_P"].copy_(params_P)
+            for name in self.whole_replaced:
+                leaves = [t[b].clone() for t in stacks[("scratch", name)]]
+                ctx.scratch[name] = leaves if self.group.forms[name] == "list" else leaves[0]
+        self.whole_replaced = set()
+
+    @staticmethod
+    def _rows_batch(batch: tuple, before, live: list[int], R: int, width: int):
+        """A step's batch of the L clients still stepping (x, y, mask, count, drops, [L, S, ...])
+        as R rows of ``width`` samples: padded (rows copies of the first client's, samples zeros
+        under mask 0) while no client has left, else written into the rows of the clients still
+        stepping of the previous step's (``before``), the others' rows left as they were."""
+        x, y, mask, count, drops = batch
+        if len(live) == R or before is None or live == list(range(len(live))):
+            rows = lambda t, w=width: pad(t, R, w, fill_first=True) if t.dim() > 1 else pad(t, R, fill_first=True)  # noqa: E731
+            return (rows(x), rows(y), pad(mask, R, width), pad(count, R, fill_first=True),
+                    {k: rows(v) for k, v in drops.items()})
+        index = torch.tensor(live, device=x.device)
+        into = lambda old, t: old.index_copy(0, index, pad(t, len(live), width) if t.dim() > 1 else t)  # noqa: E731
+        x_R, y_R, mask_R, count_R, drops_R = before
+        return (into(x_R, x), into(y_R, y), into(mask_R, mask), into(count_R, count),
+                {k: into(drops_R[k], v) for k, v in drops.items()})
+
+    def _eager_steps(self, group, schedules, stacks: dict, batches: tuple, optimizer, device):
+        """The group's steps, one eager step at a time, the clients that have taken their steps
+        leaving the stacks (``_leave``). Returns each client's loss sum [B] (float64) and its
+        learning rates' sum."""
+        tc, rule, needs = self.training.train, self.rule, self.needs
+        indexed, group_drops = batches
+        B, steps_B = len(group), [s.steps for s in schedules]
         loss_sum_B = torch.zeros(B, dtype=torch.float64, device=device)
         lr_sum_B = [0.0] * B
         live, replaced = list(range(B)), set()
@@ -751,19 +908,7 @@ class BatchedTrainer:
                 loss_sum_B.index_copy_(0, torch.tensor([live[j] for j in done], device=device),
                                        stacks["loss_sum"][0].index_select(0, rows))
                 stacks, live = self._leave(group, stacks, live, done, replaced, self.group.forms)
-
-        # -- the rest of each report, as train_client writes it --------------------------------
-        seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
-        loss_sums = loss_sum_B.tolist()  # read from the device once a group, not once a client
-        # the client's trained model into self.model only for what reads it (the rule's end hook,
-        # CGW's full-batch gradient, FedER's ranks): else a copy a tensor and client for nothing
-        reads_model = rules.reads_trained_model(rule) or bool(needs & {"full_grad_KP", "eff_rank_KL"})
-        for b, (ctx, data, seed, work, out) in enumerate(group):
-            steps = steps_B[b]
-            if reads_model:
-                self.layout.unflatten_into(out["params_P"], self.model)
-            finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), loss_sums[b], out)
-            out["train_time"] = seconds
+        return loss_sum_B, lr_sum_B
 
     def _leave(self, group, stacks: dict, live: list[int], done: list[int], replaced: set[str], forms: dict):
         """The clients ``done`` (rows of the stacks) that have taken their steps leave the stacks

@@ -223,3 +223,55 @@ def _adamp_projection(p, g, perturb):
         out = torch.where(_per_client(applies_L, p), projected, out)
         chosen_L = chosen_L | applies_L
     return out, chosen_L
+
+
+# The optimizers whose update is part of run.compile's whole step (client/compiled.py,
+# ``WholeStep``); AdamP (a projection chosen per client) and RMSGD (rates from the package,
+# per client at its own epoch boundaries) keep the compiled gradients and the eager update.
+WHOLE_STEP_OPTIMIZERS = ("sgd", "adam")
+
+
+def whole_state(tc, stacks: dict) -> None:
+    """The optimizer's state in ``stacks`` for the whole step, every buffer there from step 1 so
+    the step's inputs keep one structure: SGD's momentum starts at zeros (momentum * 0 + d is d,
+    the buffer torch's SGD starts with), Adam's moments as ``StackedOptimizer`` makes them and
+    its step count per client (float64, as the eager update's Python arithmetic), counted in
+    the graph, so a step passes no tensor for it."""
+    if tc.optimizer == "sgd" and tc.momentum:
+        stacks["momentum"] = [torch.zeros_like(p) for p in stacks["params"]]
+    elif tc.optimizer == "adam":
+        stacks["exp_avg"] = [torch.zeros_like(p) for p in stacks["params"]]
+        stacks["exp_avg_sq"] = [torch.zeros_like(p) for p in stacks["params"]]
+        rows = stacks["params"][0].shape[0]
+        stacks["adam_step"] = [torch.zeros(rows, dtype=torch.float64, device=stacks["params"][0].device)]
+
+
+def whole_update(tc, stacks: dict, direction_T: list, lr_R: torch.Tensor) -> dict:
+    """``_sgd``'s or ``_adam``'s update as a function of tensors only (each row's rate ``lr_R``
+    [R]; Adam's step count in ``stacks``), so one compiled graph serves every step: the new
+    params and optimizer state, by their keys in ``stacks``."""
+    params_T = stacks["params"]
+    lr_T = [_per_client(lr_R, p) for p in params_T]
+    d_T = list(direction_T)
+    if tc.weight_decay:
+        d_T = torch._foreach_add(d_T, params_T, alpha=tc.weight_decay)
+    if tc.optimizer == "sgd":
+        out = {}
+        if tc.momentum:
+            buf_T = torch._foreach_mul(stacks["momentum"], tc.momentum)
+            torch._foreach_add_(buf_T, d_T)
+            out["momentum"] = buf_T
+            d_T = torch._foreach_add(d_T, buf_T, alpha=tc.momentum) if tc.nesterov else buf_T
+        out["params"] = torch._foreach_sub(params_T, torch._foreach_mul(d_T, lr_T))
+        return out
+    beta1, beta2 = ADAM_BETAS
+    t_R = stacks["adam_step"][0] + 1
+    bias_correction1_R = (1 - beta1 ** t_R).float()
+    bias_correction2_sqrt_R = torch.sqrt(1 - beta2 ** t_R).float()
+    avg_T = torch._foreach_lerp(stacks["exp_avg"], d_T, 1 - beta1)
+    sq_T = torch._foreach_mul(stacks["exp_avg_sq"], beta2)
+    torch._foreach_addcmul_(sq_T, d_T, d_T, value=1 - beta2)
+    denom_T = [s.sqrt() / _per_client(bias_correction2_sqrt_R, s) + ADAM_EPS for s in sq_T]
+    new_T = [p - (lr / _per_client(bias_correction1_R, p)) * (a / d)
+             for p, lr, a, d in zip(params_T, lr_T, avg_T, denom_T)]
+    return {"params": new_T, "exp_avg": avg_T, "exp_avg_sq": sq_T, "adam_step": [t_R]}

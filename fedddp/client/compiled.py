@@ -1,7 +1,9 @@
-"""run.compile for side-by-side training (client/batched.py): the gradient function through
-``torch.compile``, called at one padded shape so one graph serves every step, with its compiled
-graphs kept in fedddp's cache folder and a compiler failure said in one line (the eager step,
-the reference, then runs)."""
+"""run.compile for side-by-side training (client/batched.py): the whole step (``WholeStep``: the
+rule's gradients and direction, the BatchNorm statistics and the optimizer update, for SGD and
+Adam) or, for the other optimizers, the gradient function alone (``Compiled``) through
+``torch.compile``, called at one padded shape so one graph serves every step, round and group;
+on CUDA captured as a CUDA graph (``compile_mode``). Compiled graphs are kept in fedddp's cache
+folder; a compiler failure is said in one line (the eager step, the reference, then runs)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,110 @@ def compile_cache_hits() -> int:
     return counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
 
 
+def compile_mode(device) -> str | None:
+    """torch.compile's mode for a step on ``device``: on CUDA "reduce-overhead", the compiled
+    step captured as a CUDA graph over static buffers (its shapes are fixed: one launch a step
+    instead of one a kernel, which is what a step of many small clients is bound by); elsewhere
+    inductor's default (CUDA graphs need CUDA)."""
+    return "reduce-overhead" if torch.device(device).type == "cuda" else None
+
+
+def _say_compiling(device) -> None:
+    if device.type == "cpu":  # said before the silence, not after it
+        print("fedddp: run.compile: compiling the side-by-side step; on CPU that can take minutes (seconds "
+              "from the cache of an earlier run) and rarely pays (BENCHMARKS.md)", file=sys.stderr, flush=True)
+
+
+def _failed_note(exc: Exception) -> str:
+    first = " ".join(str(exc).split())[:200]
+    return f"run.compile: torch.compile failed ({type(exc).__name__}: {first}); side by side runs eagerly"
+
+
+def _compiled_line(seconds: float, cache_hits: int) -> str:
+    where = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    cached = f", {cache_hits} graph(s) loaded from {where}" if cache_hits else f"; kept in {where} for later runs"
+    return f"fedddp: run.compile: side-by-side step compiled in {seconds:.1f} s (once a run{cached})"
+
+
+def _use_cache_dir() -> None:
+    # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not in
+    # inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another node with
+    # the same home folder loads them instead of compiling again
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels_cache_dir(), "inductor"))
+
+
+# the clock of the warm-up's step timing (``WholeStep.measure``); tests replace it
+clock = time.perf_counter
+# compiled and eager calls timed in the warm-up, after one untimed call of each
+TIMED_CALLS = 3
+
+
+def speed_words(compiled_s: float, eager_s: float) -> str:
+    """The start line's words for a compiled step of ``compiled_s`` seconds against the eager
+    step's ``eager_s``; where compiling does not pay, that it does not."""
+    ratio = eager_s / compiled_s if compiled_s > 0 else float("inf")
+    ms = lambda s: f"{s * 1e3:.1f}" if s >= 1e-3 else f"{s * 1e3:.2f}"  # noqa: E731 - 2 figures below 1 ms
+    words = f"run.compile: step {ms(compiled_s)} ms compiled against {ms(eager_s)} ms eager ({ratio:.2f}x)"
+    if ratio < 1.0:
+        words += "; it does not pay here: run.compile=false is faster"
+    return words
+
+
+class WholeStep:
+    """run.compile with SGD or Adam: ``torch.compile`` of the whole side-by-side step ``fn``
+    (``BatchedTrainer._whole``: gradients, the rule's direction, running statistics, optimizer
+    update, all rows masked by which clients still step), called with every group padded to the
+    same rows and width, so one graph serves the run. A pure function of its arguments: a
+    compiler failure leaves them as they were, said in one line (``note``), and the caller runs
+    the eager form."""
+
+    def __init__(self, fn):
+        _use_cache_dir()
+        self.fn, self.compiled, self.words = fn, None, ""
+        self.seconds, self.note, self.failed, self.cache_hits = None, "", False, 0
+
+    def __call__(self, *args, device):
+        """``fn(*args)`` compiled, or None (the caller runs ``fn`` eagerly)."""
+        if self.failed:
+            return None
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=False, mode=compile_mode(device))
+            _say_compiling(device)
+        start, hits = time.perf_counter(), compile_cache_hits()
+        try:
+            if device.type == "cuda":  # a new step: the previous replay's outputs are the inputs now
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self.compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - any failure of the compiler: the eager step is the reference
+            self.failed, self.note = True, _failed_note(exc)
+            print(f"fedddp: {self.note}", file=sys.stderr, flush=True)
+            return None
+        if self.seconds is None:
+            self.seconds, self.cache_hits = time.perf_counter() - start, compile_cache_hits() - hits
+            print(_compiled_line(self.seconds, self.cache_hits), file=sys.stderr, flush=True)
+        return out
+
+    def measure(self, args: tuple, device) -> str:
+        """The compiled step against the eager one on ``args`` (after each one's first call),
+        TIMED_CALLS of each, as the start line's words (kept in ``words``); "" where it did not
+        compile. Only times: what the run computes does not depend on it."""
+        if self(*args, device=device) is None:
+            return ""
+        self.fn(*args)
+        timed = []
+        for call in (lambda: self(*args, device=device), lambda: self.fn(*args)):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = clock()
+            for _ in range(TIMED_CALLS):
+                call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timed.append((clock() - start) / TIMED_CALLS)
+        self.words = speed_words(*timed)
+        return self.words
+
+
 class Compiled:
     """run.compile: ``torch.compile`` of the side-by-side gradient function, called with every
     per-client tensor padded to B clients (copies of the first; mask 0, count 1) and the batch to
@@ -44,10 +150,7 @@ class Compiled:
     def __init__(self, fn, rows: int, batch_size: int):
         """``rows``: B, the clients every call is padded to; ``batch_size``: train.batch_size,
         the samples every call is padded to (0: full-batch steps, padded to the step's widest)."""
-        # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not
-        # in inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another
-        # node with the same home folder loads them instead of compiling again
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels_cache_dir(), "inductor"))
+        _use_cache_dir()
         self.fn, self.rows = torch.compile(fn, dynamic=False), int(rows)
         self.width = batch_size if batch_size > 0 else None
         self.seconds, self.note, self.failed = None, "", False
@@ -62,23 +165,17 @@ class Compiled:
                 pad(mask, rows, width), torch.cat([count, count.new_ones(rows - L)]),
                 {k: pad(v, rows, width) for k, v in drops.items()},
                 {k: per_client(v) for k, v in inputs.items()})
-        if self.seconds is None and x.device.type == "cpu":  # said before the silence, not after it
-            print("fedddp: run.compile: compiling the side-by-side step; on CPU that can take minutes (seconds "
-                  "from the cache of an earlier run) and rarely pays (BENCHMARKS.md)", file=sys.stderr, flush=True)
+        if self.seconds is None:
+            _say_compiling(x.device)
         start, hits = time.perf_counter(), compile_cache_hits()
         try:
             grads_T, (objective, (loss_L, stats)) = self.fn(*args)
         except Exception as exc:  # noqa: BLE001 - any failure of the compiler: the eager step is the reference
-            self.failed = True
-            first = " ".join(str(exc).split())[:200]
-            self.note = f"run.compile: torch.compile failed ({type(exc).__name__}: {first}); side by side runs eagerly"
+            self.failed, self.note = True, _failed_note(exc)
             print(f"fedddp: {self.note}", file=sys.stderr, flush=True)
             return None
         if self.seconds is None:
             self.seconds = time.perf_counter() - start
             self.cache_hits = compile_cache_hits() - hits
-            cached = (f", {self.cache_hits} graph(s) loaded from {os.environ['TORCHINDUCTOR_CACHE_DIR']}"
-                      if self.cache_hits else f"; kept in {os.environ['TORCHINDUCTOR_CACHE_DIR']} for later runs")
-            print(f"fedddp: run.compile: side-by-side step compiled in {self.seconds:.1f} s (once a run{cached})",
-                  file=sys.stderr, flush=True)
+            print(_compiled_line(self.seconds, self.cache_hits), file=sys.stderr, flush=True)
         return [g[:L] for g in grads_T], (objective[:L], (loss_L[:L], tuple(t[:L] for t in stats)))
