@@ -36,7 +36,10 @@ def test_ready_words_name_the_phases_of_at_least_10_ms_in_order():
 
 def test_the_verbose_start_line_says_when_the_run_was_ready(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FEDDDP_VERBOSE", "1")
-    fedddp.run(QUICKSTART, ["run.rounds=1", "run.progress=true", "run.parallel_clients=2"], out_dir=tmp_path)
+    # a cache of its own: an earlier run of the same shapes (another test's) would leave the
+    # side-by-side timings there, and this run would read them instead of timing
+    monkeypatch.setenv("FEDDDP_CACHE", str(tmp_path / "cache"))
+    fedddp.run(QUICKSTART, ["run.rounds=1", "run.progress=true", "run.parallel_clients=2"], out_dir=tmp_path / "run")
     line = capsys.readouterr().err.splitlines()[0]
     found = re.search(r"; ready in ([0-9.]+) s \(([^)]*)\)$", line)
     assert found, line
