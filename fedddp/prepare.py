@@ -13,7 +13,6 @@ import hashlib
 import importlib
 import json
 import os
-import platform
 import threading
 import time
 from dataclasses import dataclass, field
@@ -348,22 +347,6 @@ def _side_by_side_on_cpu(run: Run, comm) -> str:
                     if cached else "")
 
 
-def _cpu_model() -> str:
-    """The CPU's model name and feature flags (Linux's /proc/cpuinfo: a virtual machine may
-    name only the maker), else the machine's type; read without starting a process
-    (platform.processor() runs uname)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            found = {}
-            for line in fh:
-                key = line.split(":", 1)[0].strip()
-                if key in ("model name", "flags", "Features") and key not in found:
-                    found[key] = line.split(":", 1)[1].strip()
-            return "; ".join(found.values()) or platform.machine()
-    except OSError:
-        return platform.machine()
-
-
 def _timed_both_ways(run: Run, clients: list) -> tuple[parallel.Timings, bool]:
     """(parallel.measure_cpu's timings of ``clients``, whether an earlier run's): a measurement
     costs seconds before round 1 (3 s or more for a CNN), and a sweep would pay it at every run,
@@ -376,7 +359,8 @@ def _timed_both_ways(run: Run, clients: list) -> tuple[parallel.Timings, bool]:
                 "task": run.data.task, "shapes": [[list(d.x.shape), str(d.x.dtype), str(d.y.dtype)] for d in clients],
                 "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if not k.startswith("lr")},
                 "algorithm": dataclasses.asdict(cfg.algorithm), "threads": cfg.run.num_threads,
-                "torch": torch.__version__, "cpu": [_cpu_model(), os.cpu_count()]}
+                "torch": torch.__version__,
+                "cpu": [strategies.kernels.cpu_description(), strategies.kernels.cpu_signature(), os.cpu_count()]}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = os.path.join(strategies.kernels.cache_dir(), "side_by_side", f"{key}.json")
     try:

@@ -62,7 +62,7 @@ def test_fused_and_torch_forms_agree(name, num_clients, num_params, monkeypatch)
 
 
 def cpu_flags() -> set[str]:
-    return set(kernels._cpu_signature().split(":")[-1].split())
+    return set(kernels.cpu_signature().split(":")[-1].split())
 
 
 @needs_compiler

@@ -743,7 +743,6 @@ class BatchedTrainer:
         loss_sum_B, lr_sum_B = sums
 
         # -- the rest of each report, as train_client writes it --------------------------------
-        seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
         loss_sums = loss_sum_B.tolist()  # read from the device once a group, not once a client
         # the client's trained model into self.model only for what reads it (the rule's end hook,
         # CGW's full-batch gradient, FedER's ranks): else a copy a tensor and client for nothing
@@ -753,6 +752,10 @@ class BatchedTrainer:
             if reads_model:
                 self.layout.unflatten_into(out["params_P"], self.model)
             finish_report(self.model, ctx, data, rule, needs, steps, lr_sum_B[b] / max(steps, 1), loss_sums[b], out)
+        if device.type == "cuda":  # the group's kernels, not their queueing: else they would fall
+            torch.cuda.synchronize(device)  # into the round's next wait, outside train_s
+        seconds = (time.perf_counter() - t_start) / B  # a share of the group's time: ranks' sums stay right
+        for ctx, data, seed, work, out in group:
             out["train_time"] = seconds
 
     def _whole(self, stacks: dict, batch: tuple, lr_R: torch.Tensor, live_R: torch.Tensor):

@@ -126,6 +126,13 @@ def _sgd(params_T, direction_T, momentum_T, tc, lr_L):
     """torch.optim.SGD's update (dampening 0); the momentum buffer starts as the first direction.
     Each line one ``torch._foreach_*`` op over the stacked tensors, the same arithmetic as the
     per-tensor form (mul, then add)."""
+    d_T, new_momentum_T = _sgd_step_direction(params_T, direction_T, momentum_T, tc)
+    return _descend(params_T, d_T, lr_L), new_momentum_T
+
+
+def _sgd_step_direction(params_T, direction_T, momentum_T, tc):
+    """SGD's step before the rate (weight decay, momentum, Nesterov) and the new momentum buffer
+    (None without momentum; the first direction where ``momentum_T`` is None)."""
     d_T = list(direction_T)
     if tc.weight_decay:
         d_T = torch._foreach_add(d_T, params_T, alpha=tc.weight_decay)
@@ -137,7 +144,7 @@ def _sgd(params_T, direction_T, momentum_T, tc, lr_L):
             new_momentum_T = torch._foreach_mul(momentum_T, tc.momentum)
             torch._foreach_add_(new_momentum_T, d_T)
         d_T = torch._foreach_add(d_T, new_momentum_T, alpha=tc.momentum) if tc.nesterov else new_momentum_T
-    return _descend(params_T, d_T, lr_L), new_momentum_T
+    return d_T, new_momentum_T
 
 
 def _adam(params_T, direction_T, exp_avg_T, exp_avg_sq_T, tc, lr_L, t: int):
@@ -252,18 +259,15 @@ def whole_update(tc, stacks: dict, direction_T: list, lr_R: torch.Tensor) -> dic
     params and optimizer state, by their keys in ``stacks``."""
     params_T = stacks["params"]
     lr_T = [_per_client(lr_R, p) for p in params_T]
+    if tc.optimizer == "sgd":
+        d_T, momentum_T = _sgd_step_direction(params_T, direction_T, stacks.get("momentum"), tc)
+        out = {"params": torch._foreach_sub(params_T, torch._foreach_mul(d_T, lr_T))}
+        if momentum_T is not None:
+            out["momentum"] = momentum_T
+        return out
     d_T = list(direction_T)
     if tc.weight_decay:
         d_T = torch._foreach_add(d_T, params_T, alpha=tc.weight_decay)
-    if tc.optimizer == "sgd":
-        out = {}
-        if tc.momentum:
-            buf_T = torch._foreach_mul(stacks["momentum"], tc.momentum)
-            torch._foreach_add_(buf_T, d_T)
-            out["momentum"] = buf_T
-            d_T = torch._foreach_add(d_T, buf_T, alpha=tc.momentum) if tc.nesterov else buf_T
-        out["params"] = torch._foreach_sub(params_T, torch._foreach_mul(d_T, lr_T))
-        return out
     beta1, beta2 = ADAM_BETAS
     t_R = stacks["adam_step"][0] + 1
     bias_correction1_R = (1 - beta1 ** t_R).float()

@@ -91,16 +91,9 @@ class SideBySide(OneAfterAnother):
         self.batched.warm_up(data)
 
     def train(self, jobs: list[Job]) -> None:
-        t_group = time.perf_counter()
+        # each client's train_time is its share of the group's time, the group's kernels waited
+        # for once (BatchedTrainer.train_group)
         self.batched.train_group([(job.ctx, job.data, job.seed, job.work, job.out) for job in jobs])
-        device = jobs[0].ctx.global_P.device
-        if device.type == "cuda":  # the group's kernels, not their queueing (one wait a group)
-            torch.cuda.synchronize(device)
-        # each client's share of the group's time, its queued kernels included: they would
-        # otherwise fall into the round's next wait, outside train_s
-        seconds = (time.perf_counter() - t_group) / len(jobs)
-        for job in jobs:
-            job.out["train_time"] = seconds
 
 
 def trainer_of(model, layout: FlatLayout, training: LocalTraining, rule, needs: frozenset,

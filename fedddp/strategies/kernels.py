@@ -88,7 +88,7 @@ _triton_module = None                    # fedddp.strategies.triton_kernels, onc
 _triton_failure: str | None = None
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """The CPU's feature flags (Linux), else the platform's name for it."""
     try:
         with open("/proc/cpuinfo") as fh:
@@ -102,7 +102,7 @@ def _cpu_signature() -> str:
 
 def cpu_description() -> str:
     """The CPU's model name and widest vector instruction set, e.g. "AMD EPYC; AVX2 + FMA"."""
-    model = platform.processor() or platform.machine()
+    model = None
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
@@ -111,7 +111,8 @@ def cpu_description() -> str:
                     break
     except OSError:
         pass
-    flags = set(_cpu_signature().split(":")[-1].split())
+    model = model or platform.processor() or platform.machine()  # processor() may start uname: last
+    flags = set(cpu_signature().split(":")[-1].split())
     for flag, isa in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("avx", "AVX"), ("sve", "SVE"),
                       ("asimd", "NEON"), ("sse2", "SSE2")):
         if flag in flags:
@@ -138,7 +139,7 @@ def compile_library(march: str | None = "native", lanes: int | None = None) -> c
     flags = FLAGS + ([f"-DLANES={lanes}"] if lanes else [])
     targets = ([f"-march={march}"], []) if march else ([],)
     key = hashlib.sha256(b"\0".join([source, " ".join(flags + targets[0]).encode(), compiler.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+                                     cpu_signature().encode()])).hexdigest()[:16]
     folder = cache_dir()
     path = os.path.join(folder, f"kernels-{key}.so")
     if not os.path.exists(path):
