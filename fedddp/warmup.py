@@ -73,8 +73,8 @@ def _first_client(run):
 
 def _local(run, comm) -> None:
     data = _first_client(run)
-    if data is not None:
-        run.trainer.warm_up(data)
+    if data is not None:  # with what round 1's clients read of the server's state (SCAFFOLD's c)
+        run.trainer.warm_up(data, {k: run.server.state[k] for k in run.strategy.client_visible})
 
 
 def _server(run, comm) -> None:

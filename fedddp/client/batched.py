@@ -371,6 +371,10 @@ class BatchedTrainer:
         # warm-up, try_step) none of the rule's entries and the configured hp.
         self.step_keys = rules.step_keys(rule)
         self.whole_replaced = set()  # the scratch entries the whole step's direction replaced in a group
+        # train.batch_size = 0 (full batches) with run.compile: the width every compiled step is
+        # padded to, the most samples of a client this rank may train (the side-by-side trainer's
+        # check_first): one graph for the run, where each group's widest client would make one a width
+        self.widest = 0
         self.group = _Group({}, {}, 0, training.hp)
         # train.precision = bf16: the dtype a step's parameters and batch are cast to before the
         # gradient call (client/precision.py); BatchNorm's weight and bias stay float32, as its statistics
@@ -481,14 +485,16 @@ class BatchedTrainer:
             for hook in hooks:
                 hook.remove()
 
-    def warm_up(self, data) -> None:
+    def warm_up(self, data, server_view: dict | None = None) -> None:
         """One gradient call of a full group's shape, B copies of a full batch of ``data``
         (a client's) at the model's parameters, the result discarded: run.compile's graph
         compiles, and the device's libraries set up, before round 1 instead of in it. A rule
-        whose step reads its own entries (FedProx's anchor, SCAFFOLD's correction) warms with
-        the task's loss alone; its compiled graph is then built in round 1."""
+        whose step reads its own entries (FedProx's anchor, SCAFFOLD's correction) makes them
+        with its begin hook for B new clients (``server_view``: the server's state the clients
+        read, as round 1 gives it), so the whole step compiles on the structure round 1 has; the
+        gradient-only compile and the eager step warm with the task's loss alone."""
         tc, device, rows = self.training.train, data.x.device, self.training.clients
-        width = tc.batch_size if tc.batch_size > 0 else len(data)
+        width = tc.batch_size if tc.batch_size > 0 else max(self.widest, len(data))
         index = torch.arange(width, device=device) % len(data)
         # contiguous, as a step's batches are: the compiled graph is specialised on strides too
         x = data.x[index].expand((rows, width) + tuple(data.x.shape[1:])).contiguous()
@@ -496,19 +502,31 @@ class BatchedTrainer:
         if self.dropouts and self.drop_shapes is None:
             self.drop_shapes = self._dropout_shapes(x[0])
         flat_P = self.layout.flatten(self.model)
-        stacks = {"params": self._stacked(flat_P, self.param_entries, rows),
-                  "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
         mask = torch.ones(rows, width, device=device)
         drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
-        self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
-        if self.whole_step is not None and not self.step_keys:
-            self._warm_whole(stacks, (x, y, mask, mask.sum(1), drops), device)
+        batch = (x, y, mask, mask.sum(1), drops)
+        if self.whole_step is not None:
+            if self.step_keys:  # the rule's entries as round 1 makes them: its begin hook on new clients
+                group = [(ClientContext(i, 1, flat_P, self.layout, self.training.hp, dict(server_view or {}),
+                                        {}, task=self.task), data, i, 0, {}) for i in range(rows)]
+                stacks, self.group = self._begin(group, flat_P, rows, device)
+            else:
+                stacks = {"params": self._stacked(flat_P, self.param_entries, rows),
+                          "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
+                self.group = _Group({}, {}, 0, self.training.hp)
+            try:
+                self._warm_whole(stacks, batch, device)
+            finally:  # no client's entries stay on the trainer
+                self.group = _Group({}, {}, 0, self.training.hp)
             return
+        stacks = {"params": self._stacked(flat_P, self.param_entries, rows),
+                  "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
+        self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
         with precision.side_by_side(tc.precision, device):
             if self.step_keys:
-                self._by_width(self._data, (stacks["params"], stacks["buffers"], x, y, mask, mask.sum(1), drops), shape)
+                self._by_width(self._data, (stacks["params"], stacks["buffers"]) + batch, shape)
             else:
-                self._gradients(stacks, (x, y, mask, mask.sum(1), drops), shape)
+                self._gradients(stacks, batch, shape)
 
     def _warm_whole(self, stacks: dict, batch: tuple, device) -> None:
         """run.compile's whole step compiled on a full group's stacks and batch, the stacks built
@@ -588,7 +606,7 @@ class BatchedTrainer:
         out = None
         if self.compiled is not None:
             self.batch.full = False  # every call padded to the same shapes
-            out = self.compiled(*args)
+            out = self.compiled(*args, widest=self.widest)
         grads_T, (_, (loss_L, stats)) = out if out is not None else self._by_width(self._rule_grads, args, shape)
         return grads_T, loss_L, stats
 
@@ -791,7 +809,7 @@ class BatchedTrainer:
         tc, (indexed, group_drops) = self.training.train, batches
         B, steps_B = len(group), [s.steps for s in schedules]
         R = max(self.training.clients, B)
-        width = tc.batch_size if tc.batch_size > 0 else max(len(data) for _, data, *_ in group)
+        width = tc.batch_size if tc.batch_size > 0 else max([self.widest] + [len(data) for _, data, *_ in group])
         stacks = dict(stacks)  # the caller's stay as they are for the eager steps, should compiling fail
         whole_state(tc, stacks)
         stacks = {key: [pad(t, R, fill_first=True) for t in value] for key, value in stacks.items()}

@@ -63,8 +63,13 @@ def _compiled_line(seconds: float, cache_hits: int) -> str:
 def _use_cache_dir() -> None:
     # compiled graphs kept beside the C kernels (FEDDDP_CACHE, default ~/.cache/fedddp), not in
     # inductor's default /tmp: a later run, a sweep's next run, a Slurm job on another node with
-    # the same home folder loads them instead of compiling again
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(kernels_cache_dir(), "inductor"))
+    # the same home folder loads them instead of compiling again. Importing torch._dynamo (torch.func
+    # does) writes inductor's default into the variable: only another value is the user's choice.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(kernels_cache_dir(), "inductor")
 
 
 # the clock of the warm-up's step timing (``WholeStep.measure``); tests replace it
@@ -149,17 +154,18 @@ class Compiled:
 
     def __init__(self, fn, rows: int, batch_size: int):
         """``rows``: B, the clients every call is padded to; ``batch_size``: train.batch_size,
-        the samples every call is padded to (0: full-batch steps, padded to the step's widest)."""
+        the samples every call is padded to (0: full-batch steps, padded to the call's ``widest``)."""
         _use_cache_dir()
         self.fn, self.rows = torch.compile(fn, dynamic=False), int(rows)
         self.width = batch_size if batch_size > 0 else None
         self.seconds, self.note, self.failed = None, "", False
 
-    def __call__(self, params_T, buffers_T, x, y, mask, count, drops, inputs):
-        """The gradients, (objective, (loss, stats)) of the clients given, or None (run eagerly)."""
+    def __call__(self, params_T, buffers_T, x, y, mask, count, drops, inputs, widest: int = 0):
+        """The gradients, (objective, (loss, stats)) of the clients given, or None (run eagerly).
+        ``widest``: with full-batch steps, the width to pad to (the most samples of a client)."""
         if self.failed:
             return None
-        L, rows, width = x.shape[0], max(self.rows, x.shape[0]), max(self.width or 0, x.shape[1])
+        L, rows, width = x.shape[0], max(self.rows, x.shape[0]), max(self.width or widest, x.shape[1])
         per_client = lambda ts: [pad(t, rows, fill_first=True) for t in ts]  # noqa: E731
         args = (per_client(params_T), per_client(buffers_T), pad(x, rows, width), pad(y, rows, width),
                 pad(mask, rows, width), torch.cat([count, count.new_ones(rows - L)]),

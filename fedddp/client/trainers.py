@@ -4,7 +4,7 @@
 - ``check_first(data, ids)``: the refusals it makes before round 1 on the built data and model
   (the run's setup and ``python -m fedddp --check`` both call it, so --check refuses what the
   run refuses);
-- ``warm_up(data)``: its first call on throwaway inputs (fedddp/warmup.py);
+- ``warm_up(data, server_view)``: its first call on throwaway inputs (fedddp/warmup.py);
 - ``train(jobs)``: the round's clients of this rank.
 
 The rest of the run reaches nothing inside a trainer."""
@@ -48,8 +48,9 @@ class OneAfterAnother:
         check_one_sample_batches(self.model, data.input_shape, data.num_samples, self.training.train.batch_size,
                                  self.training.model_name)
 
-    def warm_up(self, data: ClientData) -> None:
-        """One forward and backward of a full batch of ``data``, the model left as it was."""
+    def warm_up(self, data: ClientData, server_view: dict | None = None) -> None:
+        """One forward and backward of a full batch of ``data``, the model left as it was
+        (``server_view``: what the clients read of the server's state, for a side-by-side warm-up)."""
         model, tc = self.model, self.training.train
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         width = min(tc.batch_size if tc.batch_size > 0 else len(data), len(data))
@@ -82,13 +83,15 @@ class SideBySide(OneAfterAnother):
 
     def check_first(self, data, ids) -> None:
         """One after another's, then one step tried on the first client of ``ids`` with samples:
-        what vmap cannot run is one line now, not round 1's traceback."""
+        what vmap cannot run is one line now, not round 1's traceback; with run.compile and
+        full batches, every compiled step padded to the most samples of a client of ``ids``."""
         super().check_first(data, ids)
         self.batched.try_first_client(data.train, data.num_samples, ids)
+        self.batched.widest = max((data.num_samples[c] for c in ids), default=0)
 
-    def warm_up(self, data: ClientData) -> None:
+    def warm_up(self, data: ClientData, server_view: dict | None = None) -> None:
         """One gradient call of a full group's shape (``BatchedTrainer.warm_up``)."""
-        self.batched.warm_up(data)
+        self.batched.warm_up(data, server_view)
 
     def train(self, jobs: list[Job]) -> None:
         # each client's train_time is its share of the group's time, the group's kernels waited
