@@ -342,7 +342,8 @@ def _side_by_side_on_cpu(run: Run, comm) -> str:
     if not timed:
         return f"side by side not measured (rank 0 trains no client in {rounds})"
     timings, cached = _timed_both_ways(run, [run.data.train[c] for c in timed])
-    words = parallel.cpu_verdict(timings, groups, rounds)[1]
+    compiled = getattr(getattr(run.trainer, "batched", None), "whole_step", None) is not None
+    words = parallel.cpu_verdict(timings, groups, rounds, compiled)[1]
     return words + ("; the timings of an earlier run of the same shapes on this CPU, kept in FEDDDP_CACHE"
                     if cached else "")
 

@@ -58,6 +58,10 @@ def test_verdict_warns_when_one_after_another_is_faster():
     assert "run.parallel_clients=1 is faster here" in words and "\n" not in words
     slower, words = parallel.cpu_verdict(_timings(1.0, 1.0, 8.0), even, "round 1")
     assert not slower and words.startswith("about as fast as one after another")
+    # run.compile: the timings are of eager steps, which the compiled run does not take: no advice
+    slower, words = parallel.cpu_verdict(cheap_steps, uneven, "round 1", compiled=True)
+    assert slower and words.startswith("eager side by side 1.36x the time of one after another (rank 0's groups")
+    assert "WARNING" not in words and "run.parallel_clients=1" not in words and "run.compile's step is timed" in words
 
 
 def test_batch_from_memory():

@@ -92,15 +92,21 @@ def predict(t: Timings, steps_B: list[int]) -> tuple[float, float]:
     return sequential, side
 
 
-def cpu_verdict(t: Timings, groups: list[list[int]], rounds: str) -> tuple[bool, str]:
+def cpu_verdict(t: Timings, groups: list[list[int]], rounds: str, compiled: bool = False) -> tuple[bool, str]:
     """(one after another is faster, the start line's words) on CPU: the timings applied to
-    ``groups`` (each the planned steps of a group's clients; rank 0's groups of ``rounds``)."""
+    ``groups`` (each the planned steps of a group's clients; rank 0's groups of ``rounds``).
+    ``compiled``: the run compiles its side-by-side step (run.compile), which the timings, of
+    eager steps, do not cover: the words say so and give no advice."""
     sequential = side = 0.0
     for steps_B in groups:
         one, many = predict(t, steps_B)
         sequential, side = sequential + one, side + many
     what = (f"rank 0's groups of {rounds} predicted from one group timed both ways: {side:.2f} s side by side, "
             f"{sequential:.2f} s one after another")
+    if compiled:  # the warm-up's figure of the compiled step against the eager one follows in the line
+        return side > SLOWER * sequential, (f"eager side by side {side / sequential:.2f}x the time of one after "
+                                            f"another ({what}, eager steps; run.compile's step is timed against "
+                                            f"the eager one in the warm-up)")
     if side > SLOWER * sequential:
         return True, (f"WARNING: side by side is {side / sequential:.1f}x slower than one after another on this "
                       f"CPU ({what}): run.parallel_clients=1 is faster here (docs/running.md)")
