@@ -18,7 +18,8 @@ reports) cancels, and what is paid once a client's epoch (its sample permutation
 
 ``--compile``: run.compile=true, whose whole step (SGD, Adam: client/compiled.py's ``WholeStep``)
 is one compiled call; the ops counted are those a step dispatches outside the compiled graph
-(its batch, the rates, the live mask, the call), the graph's own apart (``graph``: on CPU
+(its batch, the rates, the live mask, the call; on CUDA one ``_foreach_copy_`` of what the step
+hands the next out of the CUDA graph's pool, compiled.Persistent), the graph's own apart (``graph``: on CPU
 inductor's extern kernels, convolutions and matrix products, on a GPU one CUDA graph replay).
 
 fedddp's batch index is built once a group, on the host (its clients' permutations come from

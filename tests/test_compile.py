@@ -15,10 +15,12 @@ import sys
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._pytree import tree_leaves
 
 from fedddp import checks, warmup
 from fedddp.client import compiled
 from fedddp.comm import Comm
+from fedddp.errors import DivergenceError
 from fedddp.env import ProcessEnv
 from fedddp.round import run
 
@@ -133,6 +135,44 @@ def test_a_client_that_has_taken_its_steps_keeps_its_bits(tmp_path, monkeypatch)
     monkeypatch.setattr(compiled.torch, "compile", lambda fn, **kwargs: fn)
     final_P(tmp_path, BN_CNN + ["train.momentum=0.9", "train.weight_decay=0.01"], True)
     assert seen and max(seen) > 0
+
+
+def overwriting_compile(fn, **kwargs):
+    """torch.compile as CUDA graph trees treat a call's outputs, on CPU: the function runs
+    eagerly, and calling it again first overwrites its previous outputs (NaN, -7 for integers),
+    as the next replay writes the graph's memory pool."""
+    previous = []
+
+    def call(*args):
+        for t in previous:
+            t.fill_(float("nan") if t.is_floating_point() else -7)
+        out = fn(*args)
+        previous[:] = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    return call
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", ["adam", "fedsmoo"])
+def test_a_step_keeps_what_the_next_replay_overwrites(tmp_path, monkeypatch, case):
+    """On CUDA the whole step's outputs live in its CUDA graph's pool, which the next step's
+    replay overwrites: what a step carries to the next (the stacks, FedSMOO's replaced dual) is
+    copied into buffers of the step's own first (compiled.Persistent). Emulated on CPU
+    (``overwriting_compile``): with the copies the run equals the eager one; without them it
+    does not (the emulation can fail the run)."""
+    from fedddp.client import batched
+
+    extra = CASES[case][0]
+    eager_P = final_P(tmp_path, extra, False)
+    monkeypatch.setattr(compiled.torch, "compile", overwriting_compile)
+    monkeypatch.setattr(batched, "replay_outputs_freed", lambda device: True)
+    kept_P = final_P(tmp_path, extra, True)
+    assert (eager_P - kept_P).abs().max().item() <= TOL * eager_P.abs().max().item()
+    if case == "adam":  # the same run without the copies reads overwritten stacks: NaN, and it stops
+        monkeypatch.setattr(batched, "replay_outputs_freed", lambda device: False)
+        with pytest.raises(DivergenceError):
+            final_P(tmp_path, extra, True)
 
 
 def test_the_mode_is_cuda_graphs_on_cuda_only():

@@ -89,7 +89,7 @@ from ..registry import LOCAL_RULES, resolve
 from . import precision, rules
 from . import ClientContext, LocalTraining, Schedule, finish_report, start_gradient
 from .batched_optim import OPTIMIZERS, WHOLE_STEP_OPTIMIZERS, StackedOptimizer, _per_client, whole_state, whole_update
-from .compiled import Compiled, WholeStep, pad
+from .compiled import Compiled, WholeStep, pad, replay_outputs_freed
 from .masked import Batch, masked_twin
 
 # Devices where a BatchNorm model's step whose batches differ in width runs one call per width
@@ -841,6 +841,8 @@ class BatchedTrainer:
                 if out is None and step == 0:
                     return None
                 kept, direction_T, replaced = out if out is not None else self._whole(*args)
+            if out is not None and replay_outputs_freed(device):  # the next replay would overwrite them
+                kept, replaced = self.whole_step.persist((kept, replaced))
             stacks = {**stacks, **kept}
             for name, leaves in replaced.items():  # one for all until now: each client's from now on
                 self.group.shared.pop(("scratch", name), None)

@@ -43,6 +43,39 @@ def compile_mode(device) -> str | None:
     return "reduce-overhead" if torch.device(device).type == "cuda" else None
 
 
+def replay_outputs_freed(device) -> bool:
+    """Whether a compiled call's outputs are overwritten by its next call on ``device``: a CUDA
+    graph's replay ("reduce-overhead", ``compile_mode``) writes them into the graph's memory pool,
+    and CUDA graph trees free a prior iteration's outputs when the next one begins."""
+    return compile_mode(device) == "reduce-overhead"
+
+
+class Persistent:
+    """Copies of a compiled call's outputs that outlive its next call (``replay_outputs_freed``),
+    so that a step's outputs can be the next step's inputs: buffers allocated once for each
+    structure of outputs, written by one ``torch._foreach_copy_`` a call (after the replay, in
+    stream order, so the buffers can be that call's inputs too)."""
+
+    def __init__(self):
+        self.buffers: dict[str, list[torch.Tensor]] = {}
+
+    def __call__(self, tree):
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        leaves, spec = tree_flatten(tree)
+        where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        tensors = [leaves[i] for i in where]
+        key = str(spec) + repr([(tuple(t.shape), t.dtype, t.stride(), t.device) for t in tensors])
+        if key not in self.buffers:
+            self.buffers[key] = [torch.empty_like(t) for t in tensors]
+        buffers = self.buffers[key]
+        if tensors:
+            torch._foreach_copy_(buffers, tensors)
+        for i, buffer in zip(where, buffers):
+            leaves[i] = buffer
+        return tree_unflatten(leaves, spec)
+
+
 def _say_compiling(device) -> None:
     if device.type == "cpu":  # said before the silence, not after it
         print("fedddp: run.compile: compiling the side-by-side step; on CPU that can take minutes (seconds "
@@ -101,6 +134,7 @@ class WholeStep:
         _use_cache_dir()
         self.fn, self.compiled, self.words = fn, None, ""
         self.seconds, self.note, self.failed, self.cache_hits = None, "", False, 0
+        self.persist = Persistent()  # what of a call's outputs the caller keeps past the next call
 
     def __call__(self, *args, device):
         """``fn(*args)`` compiled, or None (the caller runs ``fn`` eagerly)."""
