@@ -14,12 +14,13 @@ reports) cancels, and what is paid once a client's epoch (its sample permutation
 ``randperm`` on a GPU run too) is spread over its steps.
 
     python bench/step_ops.py [--clients 10] [--cases sgd,momentum,adam,fedprox,scaffold,dropout,batchnorm]
-                             [--device cpu|cuda] [--precision fp32|bf16] [--by-kind] [--compile]
+                             [--device cpu|cuda] [--precision fp32|bf16] [--by-kind] [--compile [--replay-copies]]
 
 ``--compile``: run.compile=true, whose whole step (SGD, Adam: client/compiled.py's ``WholeStep``)
 is one compiled call; the ops counted are those a step dispatches outside the compiled graph
-(its batch, the rates, the live mask, the call; on CUDA one ``_foreach_copy_`` of what the step
-hands the next out of the CUDA graph's pool, compiled.Persistent), the graph's own apart (``graph``: on CPU
+(its batch, the rates, the live mask, the call; on CUDA one ``_foreach_copy_`` a dtype of what
+the step hands the next out of the CUDA graph's pool, compiled.Persistent, which
+``--replay-copies`` makes on CPU too; the casts column then counts those copies), the graph's own apart (``graph``: on CPU
 inductor's extern kernels, convolutions and matrix products, on a GPU one CUDA graph replay).
 
 fedddp's batch index is built once a group, on the host (its clients' permutations come from
@@ -299,7 +300,15 @@ def main(argv=None) -> int:
     parser.add_argument("--by-kind", action="store_true")
     parser.add_argument("--compile", action="store_true", help="run.compile=true: the ops a step dispatches "
                         "outside its compiled graph (the graph's own apart)")
+    parser.add_argument("--replay-copies", action="store_true", help="with --compile: the copies of a step's "
+                        "outputs a CUDA graph's replay needs (compiled.Persistent), made on any device, so "
+                        "the CUDA path's ops are counted on CPU")
     args = parser.parse_args(argv)
+    if args.replay_copies:
+        sys.path.insert(0, REPO)
+        from fedddp.client import batched
+
+        batched.replay_outputs_freed = lambda device: True
     print(f"ops a side-by-side step, {args.clients} clients, batch {BATCH}, on {args.device}, {args.precision}"
           + (", run.compile (fedddp: ops outside the compiled graph, the call included; graph: within it)"
              if args.compile else ""))

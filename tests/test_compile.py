@@ -113,6 +113,24 @@ def test_a_compiled_step_is_one_call_and_its_batch(case):
     assert row["graph"] > 0  # the model's math ran within the graph
 
 
+@pytest.mark.slow
+@pytest.mark.processes  # inductor runs the C++ compiler
+@pytest.mark.parametrize("case", ["momentum", "adam"])
+def test_the_copies_a_replay_needs_are_one_op_a_dtype(case, monkeypatch):
+    """On CUDA a step also copies what it hands the next out of the CUDA graph's pool
+    (compiled.Persistent), counted here on CPU with the copies forced: one _foreach_copy_ for the
+    float32 stacks and one for the float64 ones (loss sums, Adam's step count), not one a tensor
+    (bench/step_ops.py --compile --replay-copies; a count, never a time)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import step_ops
+    from fedddp.client import batched
+
+    monkeypatch.setattr(batched, "replay_outputs_freed", lambda device: True)
+    row = step_ops.measure(case, 4, "cpu", compile_=True)
+    assert row["fedddp_ops"]["aten::_foreach_copy_"] == 2, row["fedddp_ops"]
+    assert row["fedddp"] <= 5, row["fedddp_ops"]
+
+
 @pytest.mark.e2e
 def test_a_client_that_has_taken_its_steps_keeps_its_bits(tmp_path, monkeypatch):
     """The whole step (here run eagerly: torch.compile replaced by the function itself) leaves

@@ -505,28 +505,25 @@ class BatchedTrainer:
         mask = torch.ones(rows, width, device=device)
         drops = self._dropout_masks([(0, 0)] * rows, [width] * rows, width, device)
         batch = (x, y, mask, mask.sum(1), drops)
-        if self.whole_step is not None:
-            if self.step_keys:  # the rule's entries as round 1 makes them: its begin hook on new clients
-                group = [(ClientContext(i, 1, flat_P, self.layout, self.training.hp, dict(server_view or {}),
-                                        {}, task=self.task), data, i, 0, {}) for i in range(rows)]
-                stacks, self.group = self._begin(group, flat_P, rows, device)
-            else:
-                stacks = {"params": self._stacked(flat_P, self.param_entries, rows),
-                          "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
-                self.group = _Group({}, {}, 0, self.training.hp)
-            try:
+        if self.whole_step is not None and self.step_keys:  # the rule's entries as round 1 makes them
+            group = [(ClientContext(i, 1, flat_P, self.layout, self.training.hp, dict(server_view or {}),
+                                    {}, task=self.task), data, i, 0, {}) for i in range(rows)]
+            stacks, self.group = self._begin(group, flat_P, rows, device)
+        else:
+            stacks = {"params": self._stacked(flat_P, self.param_entries, rows),
+                      "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
+            self.group = _Group({}, {}, 0, self.training.hp)
+        try:
+            if self.whole_step is not None:
                 self._warm_whole(stacks, batch, device)
-            finally:  # no client's entries stay on the trainer
-                self.group = _Group({}, {}, 0, self.training.hp)
-            return
-        stacks = {"params": self._stacked(flat_P, self.param_entries, rows),
-                  "buffers": self._stacked(flat_P, self.buffer_entries, rows)}
-        self.group, shape = _Group({}, {}, 0, self.training.hp), _Shape(None, True)
-        with precision.side_by_side(tc.precision, device):
-            if self.step_keys:
-                self._by_width(self._data, (stacks["params"], stacks["buffers"]) + batch, shape)
-            else:
-                self._gradients(stacks, batch, shape)
+                return
+            with precision.side_by_side(tc.precision, device):
+                if self.step_keys:
+                    self._by_width(self._data, (stacks["params"], stacks["buffers"]) + batch, _Shape(None, True))
+                else:
+                    self._gradients(stacks, batch, _Shape(None, True))
+        finally:  # no client's entries stay on the trainer
+            self.group = _Group({}, {}, 0, self.training.hp)
 
     def _warm_whole(self, stacks: dict, batch: tuple, device) -> None:
         """run.compile's whole step compiled on a full group's stacks and batch, the stacks built
@@ -842,7 +839,7 @@ class BatchedTrainer:
                     return None
                 kept, direction_T, replaced = out if out is not None else self._whole(*args)
             if out is not None and replay_outputs_freed(device):  # the next replay would overwrite them
-                kept, replaced = self.whole_step.persist((kept, replaced))
+                kept, replaced = self.whole_step.persist(kept, replaced)
             stacks = {**stacks, **kept}
             for name, leaves in replaced.items():  # one for all until now: each client's from now on
                 self.group.shared.pop(("scratch", name), None)

@@ -52,28 +52,32 @@ def replay_outputs_freed(device) -> bool:
 
 class Persistent:
     """Copies of a compiled call's outputs that outlive its next call (``replay_outputs_freed``),
-    so that a step's outputs can be the next step's inputs: buffers allocated once for each
-    structure of outputs, written by one ``torch._foreach_copy_`` a call (after the replay, in
-    stream order, so the buffers can be that call's inputs too)."""
+    so that a step's outputs can be the next step's inputs: buffers allocated once for each named
+    list of outputs, written by one ``torch._foreach_copy_`` a dtype and call (a foreach op over
+    tensors of one dtype is one launch; after the replay, in stream order, so the buffers can be
+    that call's inputs too)."""
 
     def __init__(self):
-        self.buffers: dict[str, list[torch.Tensor]] = {}
+        self.buffers: dict[tuple, list[torch.Tensor]] = {}
 
-    def __call__(self, tree):
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
-        leaves, spec = tree_flatten(tree)
-        where = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-        tensors = [leaves[i] for i in where]
-        key = str(spec) + repr([(tuple(t.shape), t.dtype, t.stride(), t.device) for t in tensors])
-        if key not in self.buffers:
-            self.buffers[key] = [torch.empty_like(t) for t in tensors]
-        buffers = self.buffers[key]
-        if tensors:
-            torch._foreach_copy_(buffers, tensors)
-        for i, buffer in zip(where, buffers):
-            leaves[i] = buffer
-        return tree_unflatten(leaves, spec)
+    def __call__(self, *outputs: dict) -> tuple[dict, ...]:
+        """Each of ``outputs`` (name -> list of tensors) with its tensors' copies in its place."""
+        pairs: dict[torch.dtype, tuple[list, list]] = {}
+        held = []
+        for i, named in enumerate(outputs):
+            held.append({})
+            for name, tensors in named.items():
+                buffers = self.buffers.get((i, name))
+                if buffers is None or len(buffers) != len(tensors):
+                    buffers = self.buffers[(i, name)] = [torch.empty_like(t) for t in tensors]
+                held[-1][name] = buffers
+                for buffer, t in zip(buffers, tensors):
+                    dests, sources = pairs.setdefault(t.dtype, ([], []))
+                    dests.append(buffer)
+                    sources.append(t)
+        for dests, sources in pairs.values():
+            torch._foreach_copy_(dests, sources)
+        return tuple(held)
 
 
 def _say_compiling(device) -> None:
